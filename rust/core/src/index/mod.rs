@@ -1,0 +1,636 @@
+//! The KV prefix index: which workers hold which blocks, keyed by chained sequence hashes.
+//! Concurrent: prefix matches read one shard under a shared lock while events write others.
+//!
+//! Layout. The tree is a forest: every chain starts at a block-0 hash (a root), and the whole
+//! chain lives in the shard its root hashes to. A match therefore takes one read lock and walks
+//! a flat hash table (sequence hashes identify their whole prefix, so a flat table plus a parent
+//! check is a radix tree without the pointer chasing). Writers lock one shard at a time.
+//!
+//! Eviction. With `max_nodes`, a write that leaves more than `max_nodes` nodes evicts down to
+//! 90% of it: least recently stored-or-matched leaves first (a node is a leaf when no stored
+//! block extends it), for all workers at once. Evicting only leaves keeps every chain intact,
+//! and forgetting a block only ever shortens a match, never lengthens it.
+
+mod dump;
+mod holders;
+mod shard;
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use hashbrown::HashMap;
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+
+pub use holders::{Tier, TierMask, ANY_TIER};
+use shard::{mix, Shard, FREE, ORPHAN, ROOT};
+
+/// Number of shards; a power of two.
+pub const NUM_SHARDS: usize = 16;
+
+/// A worker id as engines and routers name it.
+pub type WorkerId = u64;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IndexError {
+    #[error("corrupt index dump: {0}")]
+    Corrupt(String),
+    #[error("index shard is full ({0} nodes)")]
+    Full(usize),
+}
+
+/// Counters describing the index; see `KvIndex::stats`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    pub nodes: u64,
+    pub entries: u64,
+    pub workers: u64,
+    pub estimated_bytes: u64,
+    pub orphan_stores: u64,
+    pub duplicate_stores: u64,
+    pub parent_mismatches: u64,
+    pub unknown_removals: u64,
+    pub evictions: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    orphan_stores: AtomicU64,
+    duplicate_stores: AtomicU64,
+    parent_mismatches: AtomicU64,
+    unknown_removals: AtomicU64,
+    evictions: AtomicU64,
+}
+
+#[derive(Default)]
+struct Registry {
+    slot_of: HashMap<WorkerId, u32>,
+    ids: Vec<Option<WorkerId>>,
+    free: Vec<u32>,
+}
+
+#[repr(align(128))]
+struct PaddedShard(RwLock<Shard>);
+
+/// Per-worker depth of a prefix match.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Matches {
+    pub workers: Vec<WorkerId>,
+    pub depths: Vec<u32>,
+}
+
+impl Matches {
+    pub fn get(&self, worker: WorkerId) -> Option<u32> {
+        self.workers.iter().position(|&w| w == worker).map(|i| self.depths[i])
+    }
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+/// Reusable buffers for `KvIndex::match_into`, so the routing hot path allocates nothing.
+#[derive(Default)]
+pub struct MatchScratch {
+    alive: Vec<u64>,
+    slots: Vec<(u32, u32)>,
+}
+
+pub struct KvIndex {
+    shards: Box<[PaddedShard]>,
+    registry: RwLock<Registry>,
+    /// Slot -> worker id, read without locks by matches.
+    slot_ids: ArcSwap<Vec<Option<WorkerId>>>,
+    clock: AtomicU64,
+    nodes: AtomicUsize,
+    max_nodes: Option<usize>,
+    evicting: Mutex<()>,
+    /// Parent hash -> orphan roots waiting for it, as (shard, node).
+    awaiting: Mutex<HashMap<u64, Vec<(u32, u32)>>>,
+    awaiting_len: AtomicUsize,
+    /// Direct-mapped hint: chain tail hash -> shard, so continuation stores skip probing.
+    hint: Box<[AtomicU64]>,
+    counters: Counters,
+}
+
+const HINT_SLOTS: usize = 1 << 14;
+
+#[inline]
+fn root_shard(h: u64) -> usize {
+    (mix(h ^ 0x5851_F42D_4C95_7F2D) >> 60) as usize & (NUM_SHARDS - 1)
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+impl KvIndex {
+    /// An empty index; `max_nodes` caps the number of distinct blocks (see the module docs).
+    pub fn new(max_nodes: Option<usize>) -> Self {
+        KvIndex {
+            shards: (0..NUM_SHARDS).map(|_| PaddedShard(RwLock::new(Shard::default()))).collect(),
+            registry: RwLock::new(Registry::default()),
+            slot_ids: ArcSwap::from_pointee(Vec::new()),
+            clock: AtomicU64::new(1),
+            nodes: AtomicUsize::new(0),
+            max_nodes,
+            evicting: Mutex::new(()),
+            awaiting: Mutex::new(HashMap::new()),
+            awaiting_len: AtomicUsize::new(0),
+            hint: (0..HINT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn max_nodes(&self) -> Option<usize> {
+        self.max_nodes
+    }
+
+    fn shard(&self, s: usize) -> &RwLock<Shard> {
+        &self.shards[s].0
+    }
+
+    // ---- worker registry -------------------------------------------------------------
+
+    /// Resolves (registering if new) a worker's slot; the returned guard keeps the slot valid.
+    fn slot_for(&self, worker: WorkerId) -> (RwLockReadGuard<'_, Registry>, u32) {
+        {
+            let r = self.registry.read();
+            if let Some(&s) = r.slot_of.get(&worker) {
+                return (r, s);
+            }
+        }
+        let mut w = self.registry.write();
+        let slot = match w.slot_of.get(&worker) {
+            Some(&s) => s,
+            None => {
+                let s = match w.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        w.ids.push(None);
+                        (w.ids.len() - 1) as u32
+                    }
+                };
+                w.ids[s as usize] = Some(worker);
+                w.slot_of.insert(worker, s);
+                self.slot_ids.store(Arc::new(w.ids.clone()));
+                s
+            }
+        };
+        (parking_lot::RwLockWriteGuard::downgrade(w), slot)
+    }
+
+    fn existing_slot(&self, worker: WorkerId) -> Option<(RwLockReadGuard<'_, Registry>, u32)> {
+        let r = self.registry.read();
+        let s = *r.slot_of.get(&worker)?;
+        Some((r, s))
+    }
+
+    /// Registered workers, in registration-slot order.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.slot_ids.load().iter().flatten().copied().collect()
+    }
+
+    // ---- writes ----------------------------------------------------------------------
+
+    fn hint_slot(h: u64) -> usize {
+        (mix(h) as usize) & (HINT_SLOTS - 1)
+    }
+
+    fn remember_shard(&self, h: u64, s: usize) {
+        self.hint[Self::hint_slot(h)].store((h & !0xF) | s as u64, Relaxed);
+    }
+
+    fn hinted_shard(&self, h: u64) -> Option<usize> {
+        let e = self.hint[Self::hint_slot(h)].load(Relaxed);
+        (e & !0xF == h & !0xF && e != 0).then_some((e & 0xF) as usize)
+    }
+
+    /// Finds the shard holding node `h`, preferring one where `slot` holds it.
+    fn locate(&self, h: u64, slot: Option<u32>, first: Option<usize>) -> Option<usize> {
+        let mut fallback = None;
+        let order = first
+            .into_iter()
+            .chain(self.hinted_shard(h))
+            .chain(std::iter::once(root_shard(h)))
+            .chain(0..NUM_SHARDS);
+        let mut seen = 0u32;
+        for s in order {
+            if seen & (1 << s) != 0 {
+                continue;
+            }
+            seen |= 1 << s;
+            let g = self.shard(s).read();
+            if let Some(i) = g.find(h) {
+                match slot {
+                    Some(sl) if g.arena.tiers(g.node(i).holders, sl) == 0 => {
+                        fallback.get_or_insert(s);
+                    }
+                    _ => return Some(s),
+                }
+            }
+        }
+        fallback
+    }
+
+    /// Records that `worker` holds the blocks `hashes` (consecutive sequence hashes) on `tier`.
+    /// `parent` is the sequence hash of the block before `hashes[0]`; `None` means block 0.
+    /// Returns the number of (block, worker) entries that are new.
+    pub fn store(&self, worker: WorkerId, hashes: &[u64], parent: Option<u64>, tier: Tier) -> usize {
+        if hashes.is_empty() {
+            return 0;
+        }
+        let (_reg, slot) = self.slot_for(worker);
+        let tick = self.clock.fetch_add(1, Relaxed) + 1;
+        // Which shard, and which node to hang the chain under.
+        let (s, parent_hash) = match parent {
+            None => (root_shard(hashes[0]), None),
+            Some(p) => match self.locate(p, Some(slot), None) {
+                Some(s) => (s, Some(p)),
+                None => (root_shard(hashes[0]), Some(p)),
+            },
+        };
+        let mut g = self.shard(s).write();
+        let mut prev = match parent_hash {
+            None => ROOT,
+            Some(p) => match g.find(p) {
+                Some(i) => {
+                    if g.arena.tiers(g.node(i).holders, slot) == 0 {
+                        self.counters.orphan_stores.fetch_add(1, Relaxed);
+                    }
+                    i
+                }
+                None => {
+                    self.counters.orphan_stores.fetch_add(1, Relaxed);
+                    ORPHAN
+                }
+            },
+        };
+        let mut new_entries = 0;
+        let mut created = 0usize;
+        let mut linked: Vec<u64> = Vec::new();
+        let waiting = self.awaiting_len.load(Relaxed) > 0;
+        for &h in hashes {
+            let i = match g.find(h) {
+                Some(i) => {
+                    if g.node(i).parent != prev && !(prev == ORPHAN && g.node(i).parent == ORPHAN) {
+                        self.counters.parent_mismatches.fetch_add(1, Relaxed);
+                    }
+                    g.node(i).tick.store(tick, Relaxed);
+                    i
+                }
+                None => {
+                    let Some(i) = g.create(h, prev, tick) else { break };
+                    if prev == ORPHAN {
+                        let p = parent_hash.expect("orphan has a parent hash");
+                        g.orphan_parent.insert(i, p);
+                        let mut aw = self.awaiting.lock();
+                        aw.entry(p).or_default().push((s as u32, i));
+                        self.awaiting_len.fetch_add(1, Relaxed);
+                    }
+                    created += 1;
+                    if waiting {
+                        linked.push(h);
+                    }
+                    i
+                }
+            };
+            let (new_entry, dup) = g.add_holder(i, slot, tier.bit());
+            new_entries += new_entry as usize;
+            if dup {
+                self.counters.duplicate_stores.fetch_add(1, Relaxed);
+            }
+            prev = i;
+        }
+        drop(g);
+        self.nodes.fetch_add(created, Relaxed);
+        self.remember_shard(*hashes.last().unwrap(), s);
+        for h in linked {
+            self.adopt_orphans(h, s);
+        }
+        drop(_reg);
+        self.maybe_evict();
+        new_entries
+    }
+
+    /// Hangs the orphan chains that were waiting for parent `h` (now in shard `s`) under it.
+    fn adopt_orphans(&self, h: u64, s: usize) {
+        let Some(list) = ({
+            let mut aw = self.awaiting.lock();
+            aw.remove(&h)
+        }) else {
+            return;
+        };
+        self.awaiting_len.fetch_sub(list.len(), Relaxed);
+        for (os, oi) in list {
+            let os = os as usize;
+            if os == s {
+                let mut g = self.shard(s).write();
+                let Some(pi) = g.find(h) else { continue };
+                if g.is_live(oi) && g.node(oi).parent == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
+                    g.orphan_parent.remove(&oi);
+                    g.nodes[oi as usize].parent = pi;
+                    g.nodes[pi as usize].children += 1;
+                }
+            } else {
+                self.migrate_orphan(os, oi, s, h);
+            }
+        }
+    }
+
+    /// Moves the subtree rooted at orphan `oi` of shard `from` under node `parent` of shard `to`.
+    fn migrate_orphan(&self, from: usize, oi: u32, to: usize, parent: u64) {
+        let (lo, hi) = (from.min(to), from.max(to));
+        let mut glo = self.shard(lo).write();
+        let mut ghi = self.shard(hi).write();
+        let (src, dst) = if from == lo { (&mut *glo, &mut *ghi) } else { (&mut *ghi, &mut *glo) };
+        if !src.is_live(oi) || src.node(oi).parent != ORPHAN || src.orphan_parent.get(&oi) != Some(&parent) {
+            return;
+        }
+        let Some(pi) = dst.find(parent) else { return };
+        // Collect the subtree, parents first.
+        let order = src.topo_order();
+        let mut inside = vec![false; src.nodes.len()];
+        let mut sub = Vec::new();
+        for i in order {
+            let p = src.node(i).parent;
+            if i == oi || (p < FREE && inside[p as usize]) {
+                inside[i as usize] = true;
+                sub.push(i);
+            }
+        }
+        let mut map: HashMap<u32, u32> = HashMap::new();
+        let mut list = Vec::new();
+        let mut moved_nodes = 0isize;
+        for &i in &sub {
+            let n = src.node(i);
+            let (h, tick) = (n.hash, n.tick.load(Relaxed));
+            let new_parent = if i == oi { pi } else { map[&n.parent] };
+            let j = match dst.find(h) {
+                Some(j) => j,
+                None => match dst.create(h, new_parent, tick) {
+                    Some(j) => {
+                        moved_nodes += 1;
+                        j
+                    }
+                    None => break,
+                },
+            };
+            map.insert(i, j);
+            src.arena.list(src.node(i).holders, &mut list);
+            for &(slot, tiers) in &list {
+                dst.add_holder(j, slot, tiers);
+            }
+        }
+        // Delete the source subtree, leaves first.
+        for &i in sub.iter().rev() {
+            if src.is_live(i) {
+                src.evict_leaf(i);
+                moved_nodes -= 1;
+            }
+        }
+        self.nodes.fetch_add(moved_nodes.max(0) as usize, Relaxed);
+        self.nodes.fetch_sub((-moved_nodes).max(0) as usize, Relaxed);
+    }
+
+    /// Records that `worker` no longer holds `hashes` on `tiers` (`ANY_TIER`: anywhere).
+    /// Returns the number of (block, worker) entries removed; unknown blocks are counted.
+    pub fn remove(&self, worker: WorkerId, hashes: &[u64], tiers: TierMask) -> usize {
+        let Some((_reg, slot)) = self.existing_slot(worker) else {
+            self.counters.unknown_removals.fetch_add(hashes.len() as u64, Relaxed);
+            return 0;
+        };
+        let mut removed = 0;
+        let mut deleted = 0;
+        let mut last: Option<usize> = None;
+        for &h in hashes {
+            // Fast path: the previous block's shard.
+            let mut done = false;
+            if let Some(s) = last {
+                let mut g = self.shard(s).write();
+                if let Some(i) = g.find(h) {
+                    if g.arena.tiers(g.node(i).holders, slot) != 0 {
+                        let (gone, d) = g.remove_holder(i, slot, tiers);
+                        removed += gone as usize;
+                        deleted += d;
+                        done = true;
+                    }
+                }
+            }
+            if done {
+                continue;
+            }
+            let found = self.locate(h, Some(slot), None).and_then(|s| {
+                let mut g = self.shard(s).write();
+                let i = g.find(h)?;
+                if g.arena.tiers(g.node(i).holders, slot) == 0 {
+                    return None;
+                }
+                let (gone, d) = g.remove_holder(i, slot, tiers);
+                removed += gone as usize;
+                deleted += d;
+                Some(s)
+            });
+            match found {
+                Some(s) => last = Some(s),
+                None => {
+                    self.counters.unknown_removals.fetch_add(1, Relaxed);
+                }
+            }
+        }
+        self.nodes.fetch_sub(deleted, Relaxed);
+        removed
+    }
+
+    /// The worker dropped its whole cache. Returns the entries removed (0 for an unknown worker).
+    pub fn clear(&self, worker: WorkerId) -> usize {
+        let Some((_reg, slot)) = self.existing_slot(worker) else { return 0 };
+        self.clear_slot(slot)
+    }
+
+    fn clear_slot(&self, slot: u32) -> usize {
+        let mut entries = 0;
+        for s in 0..NUM_SHARDS {
+            let (e, d) = self.shard(s).write().clear_slot(slot);
+            entries += e as usize;
+            self.nodes.fetch_sub(d, Relaxed);
+        }
+        entries
+    }
+
+    /// Forgets a worker entirely. Returns the entries removed (0 for an unknown worker).
+    pub fn remove_worker(&self, worker: WorkerId) -> usize {
+        let mut reg = self.registry.write();
+        let Some(slot) = reg.slot_of.remove(&worker) else { return 0 };
+        let entries = self.clear_slot(slot);
+        reg.ids[slot as usize] = None;
+        reg.free.push(slot);
+        self.slot_ids.store(Arc::new(reg.ids.clone()));
+        entries
+    }
+
+    // ---- reads -----------------------------------------------------------------------
+
+    /// For each worker holding `hashes[0]`, the number of leading blocks of `hashes` it holds
+    /// (on any tier in `mask`), contiguous from block 0.
+    pub fn find_matches(&self, hashes: &[u64], mask: TierMask) -> Matches {
+        let mut scratch = MatchScratch::default();
+        let mut out = Matches::default();
+        self.match_into(hashes, mask, &mut scratch, &mut out);
+        out
+    }
+
+    /// `find_matches` into caller-owned buffers.
+    pub fn match_into(&self, hashes: &[u64], mask: TierMask, scratch: &mut MatchScratch, out: &mut Matches) {
+        out.workers.clear();
+        out.depths.clear();
+        let Some(&h0) = hashes.first() else { return };
+        let g = self.shard(root_shard(h0)).read();
+        let ids = self.slot_ids.load();
+        let nw = ids.len().div_ceil(64).max(1);
+        let clock = self.clock.load(Relaxed);
+        let MatchScratch { alive, slots } = scratch;
+        alive.clear();
+        alive.resize(nw, 0);
+        slots.clear();
+        let mut prev = ROOT;
+        let mut depth = 0u32;
+        for (d, &h) in hashes.iter().enumerate() {
+            let Some(i) = g.find(h) else { break };
+            let node = g.node(i);
+            if node.parent != prev {
+                break;
+            }
+            let mut any = 0u64;
+            for (w, a) in alive.iter_mut().enumerate() {
+                let held = g.arena.word(node.holders, mask, w);
+                let next = if d == 0 { held } else { *a & held };
+                let mut dropped = *a & !next;
+                while dropped != 0 {
+                    slots.push((w as u32 * 64 + dropped.trailing_zeros(), d as u32));
+                    dropped &= dropped - 1;
+                }
+                *a = next;
+                any |= next;
+            }
+            if any == 0 {
+                break;
+            }
+            g.touch(i, clock);
+            prev = i;
+            depth = d as u32 + 1;
+        }
+        for (w, &a) in alive.iter().enumerate() {
+            let mut bits = a;
+            while bits != 0 {
+                slots.push((w as u32 * 64 + bits.trailing_zeros(), depth));
+                bits &= bits - 1;
+            }
+        }
+        drop(g);
+        for &(slot, d) in slots.iter() {
+            if d == 0 {
+                continue;
+            }
+            if let Some(Some(id)) = ids.get(slot as usize) {
+                out.workers.push(*id);
+                out.depths.push(d);
+            }
+        }
+    }
+
+    /// Number of blocks `worker` holds (0 for an unknown worker).
+    pub fn num_blocks(&self, worker: WorkerId) -> u64 {
+        let Some((_reg, slot)) = self.existing_slot(worker) else { return 0 };
+        (0..NUM_SHARDS).map(|s| self.shard(s).read().counts.get(slot as usize).copied().unwrap_or(0)).sum()
+    }
+
+    /// Distinct blocks (nodes) in the index.
+    pub fn len(&self) -> usize {
+        self.nodes.load(Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let mut st = IndexStats::default();
+        let mut bytes = std::mem::size_of::<Self>() + HINT_SLOTS * 8;
+        for s in 0..NUM_SHARDS {
+            let g = self.shard(s).read();
+            st.nodes += g.live as u64;
+            st.entries += g.entries;
+            bytes += g.bytes();
+        }
+        let reg = self.registry.read();
+        st.workers = reg.slot_of.len() as u64;
+        bytes += reg.slot_of.capacity() * 13 + reg.ids.capacity() * 16;
+        st.estimated_bytes = bytes as u64;
+        let c = &self.counters;
+        st.orphan_stores = c.orphan_stores.load(Relaxed);
+        st.duplicate_stores = c.duplicate_stores.load(Relaxed);
+        st.parent_mismatches = c.parent_mismatches.load(Relaxed);
+        st.unknown_removals = c.unknown_removals.load(Relaxed);
+        st.evictions = c.evictions.load(Relaxed);
+        st
+    }
+
+    // ---- eviction --------------------------------------------------------------------
+
+    fn maybe_evict(&self) {
+        let Some(cap) = self.max_nodes else { return };
+        if self.nodes.load(Relaxed) <= cap {
+            return;
+        }
+        let Some(_one) = self.evicting.try_lock() else { return };
+        let target = cap - cap / 10;
+        // Oldest leaves first; a parent joins the heap when its last child goes.
+        let mut heap: BinaryHeap<Reverse<(u64, u32, u32)>> = BinaryHeap::new();
+        for s in 0..NUM_SHARDS {
+            let g = self.shard(s).read();
+            for (i, n) in g.nodes.iter().enumerate() {
+                if n.parent != FREE && n.children == 0 {
+                    heap.push(Reverse((n.tick.load(Relaxed), s as u32, i as u32)));
+                }
+            }
+        }
+        let mut evicted = 0u64;
+        while self.nodes.load(Relaxed) > target {
+            let Some(Reverse((tick, s, i))) = heap.pop() else { break };
+            let mut g = self.shard(s as usize).write();
+            if !g.is_live(i) || g.node(i).children != 0 {
+                continue;
+            }
+            let now = g.node(i).tick.load(Relaxed);
+            if now != tick {
+                heap.push(Reverse((now, s, i)));
+                continue;
+            }
+            let parent = g.evict_leaf(i);
+            self.nodes.fetch_sub(1, Relaxed);
+            evicted += 1;
+            if parent < FREE {
+                let p = g.node(parent);
+                if p.children == 0 {
+                    if holders::is_empty(p.holders) {
+                        let d = g.prune(parent);
+                        self.nodes.fetch_sub(d, Relaxed);
+                    } else {
+                        heap.push(Reverse((p.tick.load(Relaxed), s, parent)));
+                    }
+                }
+            }
+        }
+        self.counters.evictions.fetch_add(evicted, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,263 @@
+//! One shard of the index: a slab of nodes keyed by sequence hash, holding every chain whose
+//! first block hashes to this shard, so a prefix match reads exactly one shard.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use hashbrown::HashTable;
+
+use super::holders::{self, HolderArena, TierMask};
+
+/// `Node::parent` of a block 0 (a root of the tree).
+pub(crate) const ROOT: u32 = u32::MAX;
+/// `Node::parent` of a chain stored under a parent the index has never seen.
+pub(crate) const ORPHAN: u32 = u32::MAX - 1;
+/// `Node::parent` of a free slab slot.
+pub(crate) const FREE: u32 = u32::MAX - 2;
+/// Largest node index a shard hands out.
+pub(crate) const MAX_NODES_PER_SHARD: usize = (u32::MAX - 3) as usize;
+
+/// Mixes a hash for table placement: folded 128-bit multiply, so that small sequential ids
+/// (such as Mooncake's `hash_ids`) spread as well as xxh3 outputs do.
+#[inline]
+pub(crate) fn mix(h: u64) -> u64 {
+    let r = (h as u128).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+    (r as u64) ^ ((r >> 64) as u64)
+}
+
+/// One block: 32 bytes.
+pub(crate) struct Node {
+    pub hash: u64,
+    /// Encoded holders (see `holders`).
+    pub holders: u64,
+    /// Recency for eviction: the index clock when last stored or matched.
+    pub tick: AtomicU64,
+    /// Index of the parent node in this shard, or `ROOT` / `ORPHAN` / `FREE`.
+    pub parent: u32,
+    pub children: u32,
+}
+
+#[derive(Default)]
+pub(crate) struct Shard {
+    pub nodes: Vec<Node>,
+    free: Vec<u32>,
+    table: HashTable<u32>,
+    pub arena: HolderArena,
+    /// Blocks held per worker slot in this shard.
+    pub counts: Vec<u64>,
+    /// (block, worker) entries in this shard.
+    pub entries: u64,
+    pub live: usize,
+    /// Parent hash of each orphan root, by node index.
+    pub orphan_parent: hashbrown::HashMap<u32, u64>,
+}
+
+impl Shard {
+    #[inline]
+    pub fn find(&self, h: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.table.find(mix(h), |&i| nodes[i as usize].hash == h).copied()
+    }
+
+    #[inline]
+    pub fn node(&self, i: u32) -> &Node {
+        &self.nodes[i as usize]
+    }
+
+    pub fn is_live(&self, i: u32) -> bool {
+        (i as usize) < self.nodes.len() && self.nodes[i as usize].parent != FREE
+    }
+
+    /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
+    pub fn create(&mut self, h: u64, parent: u32, tick: u64) -> Option<u32> {
+        let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU64::new(tick), parent, children: 0 };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                if self.nodes.len() >= MAX_NODES_PER_SHARD {
+                    return None;
+                }
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        let nodes = &self.nodes;
+        self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
+        if parent < FREE {
+            self.nodes[parent as usize].children += 1;
+        }
+        self.live += 1;
+        Some(i)
+    }
+
+    /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
+    pub fn add_holder(&mut self, i: u32, slot: u32, tier: TierMask) -> (bool, bool) {
+        let h = self.nodes[i as usize].holders;
+        let (nh, added) = self.arena.add(h, slot, tier);
+        self.nodes[i as usize].holders = nh;
+        if added.new_entry {
+            self.bump(slot, 1);
+        }
+        (added.new_entry, added.duplicate)
+    }
+
+    /// Removes (slot, tiers) from node `i`; returns whether an entry went away. A node left
+    /// with no holders and no children is deleted, and so are its ancestors that become so.
+    /// Returns the number of nodes deleted as the second value.
+    pub fn remove_holder(&mut self, i: u32, slot: u32, tiers: TierMask) -> (bool, usize) {
+        let h = self.nodes[i as usize].holders;
+        let (nh, gone) = self.arena.remove(h, slot, tiers);
+        self.nodes[i as usize].holders = nh;
+        if gone {
+            self.bump(slot, -1);
+        }
+        (gone, self.prune(i))
+    }
+
+    fn bump(&mut self, slot: u32, d: i64) {
+        let s = slot as usize;
+        if s >= self.counts.len() {
+            self.counts.resize(s + 1, 0);
+        }
+        self.counts[s] = (self.counts[s] as i64 + d) as u64;
+        self.entries = (self.entries as i64 + d) as u64;
+    }
+
+    /// Deletes node `i` if it has neither holders nor children, then its ancestors likewise.
+    pub fn prune(&mut self, mut i: u32) -> usize {
+        let mut deleted = 0;
+        loop {
+            let n = &self.nodes[i as usize];
+            if !holders::is_empty(n.holders) || n.children != 0 {
+                return deleted;
+            }
+            let parent = n.parent;
+            self.delete(i);
+            deleted += 1;
+            if parent >= FREE {
+                return deleted;
+            }
+            i = parent;
+        }
+    }
+
+    /// Deletes leaf `i` whatever it holds (eviction), and returns its parent index.
+    pub fn evict_leaf(&mut self, i: u32) -> u32 {
+        let mut list = Vec::new();
+        self.arena.list(self.nodes[i as usize].holders, &mut list);
+        for (slot, _) in list {
+            self.bump(slot, -1);
+        }
+        let parent = self.nodes[i as usize].parent;
+        self.delete(i);
+        parent
+    }
+
+    fn delete(&mut self, i: u32) {
+        let (h, parent, hold) = {
+            let n = &self.nodes[i as usize];
+            debug_assert_eq!(n.children, 0);
+            (n.hash, n.parent, n.holders)
+        };
+        self.arena.drop_holders(hold);
+        let nodes = &self.nodes;
+        if let Ok(entry) = self.table.find_entry(mix(h), |&j| j == i && nodes[j as usize].hash == h) {
+            entry.remove();
+        }
+        if parent < FREE {
+            self.nodes[parent as usize].children -= 1;
+        }
+        if parent == ORPHAN {
+            self.orphan_parent.remove(&i);
+        }
+        let n = &mut self.nodes[i as usize];
+        n.parent = FREE;
+        n.holders = holders::EMPTY;
+        n.children = 0;
+        self.free.push(i);
+        self.live -= 1;
+    }
+
+    /// Removes `slot` from every node; deletes nodes left empty. Returns (entries, nodes) removed.
+    pub fn clear_slot(&mut self, slot: u32) -> (u64, usize) {
+        let mut entries = 0;
+        let mut emptied = Vec::new();
+        for i in 0..self.nodes.len() as u32 {
+            let n = &self.nodes[i as usize];
+            if n.parent == FREE || self.arena.tiers(n.holders, slot) == 0 {
+                continue;
+            }
+            let (nh, gone) = self.arena.remove(n.holders, slot, holders::ANY_TIER);
+            self.nodes[i as usize].holders = nh;
+            if gone {
+                entries += 1;
+                self.bump(slot, -1);
+            }
+            if holders::is_empty(nh) {
+                emptied.push(i);
+            }
+        }
+        let mut deleted = 0;
+        for i in emptied {
+            if self.is_live(i) {
+                deleted += self.prune(i);
+            }
+        }
+        if (slot as usize) < self.counts.len() {
+            self.counts[slot as usize] = 0;
+        }
+        (entries, deleted)
+    }
+
+    /// Indices of live nodes, parents before children.
+    pub fn topo_order(&self) -> Vec<u32> {
+        let n = self.nodes.len();
+        let mut depth = vec![u32::MAX; n];
+        let mut stack = Vec::new();
+        for start in 0..n {
+            if self.nodes[start].parent == FREE || depth[start] != u32::MAX {
+                continue;
+            }
+            let mut i = start;
+            loop {
+                let p = self.nodes[i].parent;
+                if p >= FREE {
+                    depth[i] = 0;
+                    break;
+                }
+                if depth[p as usize] != u32::MAX {
+                    depth[i] = depth[p as usize] + 1;
+                    break;
+                }
+                stack.push(i);
+                i = p as usize;
+            }
+            let mut d = depth[i];
+            while let Some(j) = stack.pop() {
+                d += 1;
+                depth[j] = d;
+            }
+        }
+        let mut order: Vec<u32> = (0..n as u32).filter(|&i| self.nodes[i as usize].parent != FREE).collect();
+        order.sort_by_key(|&i| depth[i as usize]);
+        order
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free.capacity() * 4
+            + self.table.capacity() * (4 + 1)
+            + self.arena.bytes()
+            + self.counts.capacity() * 8
+            + self.orphan_parent.capacity() * 13
+    }
+
+    pub fn touch(&self, i: u32, clock: u64) {
+        let t = &self.nodes[i as usize].tick;
+        if t.load(Relaxed) != clock {
+            t.store(clock, Relaxed);
+        }
+    }
+}

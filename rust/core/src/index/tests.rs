@@ -1,0 +1,225 @@
+use super::*;
+
+fn chain(start: u64, n: usize) -> Vec<u64> {
+    (0..n as u64).map(|i| start * 1_000_003 + i + 1).collect()
+}
+
+fn depth(idx: &KvIndex, q: &[u64], w: WorkerId) -> Option<u32> {
+    idx.find_matches(q, ANY_TIER).get(w)
+}
+
+#[test]
+fn store_and_match_contiguous() {
+    let idx = KvIndex::new(None);
+    let c = chain(1, 10);
+    assert_eq!(idx.store(7, &c[..6], None, Tier::Device), 6);
+    idx.store(8, &c[..3], None, Tier::Device);
+    assert_eq!(depth(&idx, &c, 7), Some(6));
+    assert_eq!(depth(&idx, &c, 8), Some(3));
+    assert_eq!(idx.len(), 6);
+    assert_eq!(idx.num_blocks(7), 6);
+    assert_eq!(idx.stats().entries, 9);
+    // A lost middle block cuts the match there.
+    idx.remove(7, &c[2..3], ANY_TIER);
+    assert_eq!(depth(&idx, &c, 7), Some(2));
+    assert_eq!(idx.len(), 6, "node 2 still held by worker 8");
+}
+
+#[test]
+fn continuation_under_parent() {
+    let idx = KvIndex::new(None);
+    let c = chain(2, 8);
+    idx.store(1, &c[..4], None, Tier::Device);
+    idx.store(1, &c[4..], Some(c[3]), Tier::Device);
+    assert_eq!(depth(&idx, &c, 1), Some(8));
+    assert_eq!(idx.stats().orphan_stores, 0);
+}
+
+#[test]
+fn orphan_store_links_when_gap_fills() {
+    let idx = KvIndex::new(None);
+    let c = chain(3, 8);
+    idx.store(1, &c[..2], None, Tier::Device);
+    idx.store(1, &c[4..], Some(c[3]), Tier::Device); // blocks 2,3 never seen yet
+    assert_eq!(idx.stats().orphan_stores, 1);
+    assert_eq!(depth(&idx, &c, 1), Some(2));
+    idx.store(1, &c[2..4], Some(c[1]), Tier::Device);
+    assert_eq!(depth(&idx, &c, 1), Some(8));
+    assert_eq!(idx.len(), 8);
+    assert_eq!(idx.num_blocks(1), 8);
+}
+
+#[test]
+fn orphan_links_across_shards() {
+    // Find chains whose orphan part lands in a different shard than the root.
+    let mut tested = 0;
+    for start in 0..200u64 {
+        let c = chain(100 + start, 6);
+        if root_shard(c[3]) == root_shard(c[0]) {
+            continue;
+        }
+        let idx = KvIndex::new(None);
+        idx.store(5, &c[3..], Some(c[2]), Tier::Host);
+        idx.store(6, &c[4..], Some(c[3]), Tier::Device);
+        idx.store(5, &c[..3], None, Tier::Host);
+        assert_eq!(depth(&idx, &c, 5), Some(6));
+        assert_eq!(depth(&idx, &c, 6), None, "worker 6 lacks block 0");
+        assert_eq!(idx.len(), 6);
+        assert_eq!(idx.stats().entries, 8);
+        tested += 1;
+        if tested == 5 {
+            break;
+        }
+    }
+    assert_eq!(tested, 5);
+}
+
+#[test]
+fn tiers_and_partial_removal() {
+    let idx = KvIndex::new(None);
+    let c = chain(4, 4);
+    idx.store(1, &c, None, Tier::Device);
+    idx.store(1, &c[..2], None, Tier::Host);
+    assert_eq!(idx.find_matches(&c, Tier::Host.bit()).get(1), Some(2));
+    idx.remove(1, &c[..1], Tier::Device.bit());
+    assert_eq!(idx.find_matches(&c, Tier::Device.bit()).get(1), None);
+    assert_eq!(idx.find_matches(&c, ANY_TIER).get(1), Some(4));
+    assert_eq!(idx.num_blocks(1), 4);
+}
+
+#[test]
+fn clear_and_remove_worker_unknowns_are_noops() {
+    let idx = KvIndex::new(None);
+    let c = chain(5, 5);
+    idx.store(1, &c, None, Tier::Device);
+    idx.store(2, &c[..2], None, Tier::Device);
+    assert_eq!(idx.clear(99), 0);
+    assert_eq!(idx.remove(99, &c, ANY_TIER), 0);
+    assert_eq!(idx.stats().unknown_removals, 5);
+    assert_eq!(idx.clear(1), 5);
+    assert_eq!(idx.len(), 2);
+    assert_eq!(idx.remove_worker(2), 2);
+    assert!(idx.is_empty());
+    assert_eq!(idx.workers(), vec![1]);
+    // The freed slot is reused without leaking old membership.
+    idx.store(3, &c[..1], None, Tier::Device);
+    assert_eq!(idx.find_matches(&c, ANY_TIER), Matches { workers: vec![3], depths: vec![1] });
+}
+
+#[test]
+fn many_workers_spill() {
+    let idx = KvIndex::new(None);
+    let c = chain(6, 16);
+    for w in 0..200u64 {
+        idx.store(w * 11, &c[..(w as usize % 16) + 1], None, Tier::Device);
+    }
+    let m = idx.find_matches(&c, ANY_TIER);
+    assert_eq!(m.len(), 200);
+    for w in 0..200u64 {
+        assert_eq!(m.get(w * 11), Some((w as u32 % 16) + 1));
+    }
+    for w in 0..200u64 {
+        idx.remove_worker(w * 11);
+    }
+    assert!(idx.is_empty());
+    assert_eq!(idx.stats().entries, 0);
+}
+
+#[test]
+fn eviction_respects_cap_and_never_overreports() {
+    let idx = KvIndex::new(Some(100));
+    let mut all = Vec::new();
+    for k in 0..50u64 {
+        let c = chain(1000 + k, 8);
+        idx.store(k % 4, &c, None, Tier::Device);
+        all.push((k % 4, c));
+        assert!(idx.len() <= 100);
+    }
+    assert!(idx.stats().evictions > 0);
+    for (w, c) in &all {
+        if let Some(d) = depth(&idx, c, *w) {
+            assert!(d <= 8);
+        }
+    }
+    // The most recent chain survives whole.
+    let (w, c) = all.last().unwrap();
+    assert_eq!(depth(&idx, c, *w), Some(8));
+}
+
+#[test]
+fn dump_load_round_trip_and_corruption() {
+    let idx = KvIndex::new(None);
+    for k in 0..30u64 {
+        let c = chain(2000 + k, 5 + k as usize % 7);
+        idx.store(k % 5, &c, None, if k % 3 == 0 { Tier::Host } else { Tier::Device });
+    }
+    let c = chain(9999, 6);
+    idx.store(2, &c[3..], Some(c[2]), Tier::Device); // an orphan survives the round trip
+    let bytes = idx.dump();
+    let back = KvIndex::load(&bytes, None).unwrap();
+    assert_eq!(back.stats().nodes, idx.stats().nodes);
+    assert_eq!(back.stats().entries, idx.stats().entries);
+    assert_eq!(back.dump(), bytes);
+    back.store(2, &c[..3], None, Tier::Device);
+    assert_eq!(depth(&back, &c, 2), Some(6));
+    for cut in [0, 7, 20, bytes.len() / 2, bytes.len() - 1] {
+        assert!(KvIndex::load(&bytes[..cut], None).is_err());
+    }
+    let mut bad = bytes.clone();
+    bad.push(0);
+    assert!(KvIndex::load(&bad, None).is_err());
+}
+
+#[test]
+fn parent_check_rejects_non_chains() {
+    let idx = KvIndex::new(None);
+    let a = chain(7, 3);
+    idx.store(1, &a, None, Tier::Device);
+    // A query whose second block exists but under another parent does not match past block 0.
+    let q = [a[0], a[2]];
+    assert_eq!(depth(&idx, &q, 1), Some(1));
+}
+
+#[test]
+fn concurrent_readers_and_writers() {
+    use std::sync::Arc;
+    let idx = Arc::new(KvIndex::new(Some(5000)));
+    let chains: Arc<Vec<Vec<u64>>> = Arc::new((0..64).map(|k| chain(5000 + k, 32)).collect());
+    let mut hs = Vec::new();
+    for t in 0..2u64 {
+        let (idx, chains) = (idx.clone(), chains.clone());
+        hs.push(std::thread::spawn(move || {
+            for r in 0..3000u64 {
+                let c = &chains[((r * 7 + t) % 64) as usize];
+                let w = (r + t) % 8;
+                if r % 5 == 4 {
+                    idx.remove(w, &c[16..], ANY_TIER);
+                } else {
+                    idx.store(w, c, None, Tier::Device);
+                }
+                if r % 997 == 0 {
+                    idx.clear(w);
+                }
+            }
+        }));
+    }
+    for _ in 0..2 {
+        let (idx, chains) = (idx.clone(), chains.clone());
+        hs.push(std::thread::spawn(move || {
+            let mut n = 0usize;
+            for r in 0..20000usize {
+                let m = idx.find_matches(&chains[r % 64], ANY_TIER);
+                n += m.len();
+                let _ = n;
+                assert!(m.depths.iter().all(|&d| d >= 1 && d <= 32));
+            }
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    let st = idx.stats();
+    assert_eq!(st.nodes as usize, idx.len());
+    let total: u64 = (0..8).map(|w| idx.num_blocks(w)).sum();
+    assert_eq!(total, st.entries);
+}

@@ -1,0 +1,44 @@
+//! PyO3 bindings for kvroute-core: argument conversion (numpy zero-copy), errors to Python
+//! exceptions, and the GIL released around every call that does real work.
+
+mod convert;
+mod index;
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+
+use convert::{check_block_size, extract_tokens};
+
+/// Per full block, xxh3-64 of the block's token ids as little-endian u32, with `seed`.
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size = 64, *, seed = 1337))]
+fn local_block_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_size: i64, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let bs = check_block_size(block_size)?;
+    let toks = extract_tokens(tokens)?;
+    let slice = toks.as_slice();
+    let out = py.detach(|| kvroute_core::hash::local_block_hashes(slice, bs, seed));
+    Ok(out.into_pyarray(py))
+}
+
+/// Chained sequence hashes of every full block (Dynamo's scheme): `seq[0] = local[0]`,
+/// `seq[i] = xxh3_64(le_u64(seq[i-1]) ++ le_u64(local[i]), seed)`.
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size = 64, *, seed = 1337))]
+fn block_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_size: i64, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let bs = check_block_size(block_size)?;
+    let toks = extract_tokens(tokens)?;
+    let slice = toks.as_slice();
+    let out = py.detach(|| kvroute_core::hash::sequence_hashes(slice, bs, seed, None));
+    Ok(out.into_pyarray(py))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(local_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_class::<index::PyKvIndex>()?;
+    m.add_class::<index::MatchResult>()?;
+    m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
