@@ -70,9 +70,12 @@ where
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(format!("{what} must be a sequence of ints or a 1-D integer numpy array, not str/bytes")));
     }
-    let iter = obj
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err(format!("{what} must be a sequence of ints or a 1-D integer numpy array, got {}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?;
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a sequence of ints or a 1-D integer numpy array, got {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
     let mut vals = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, item) in iter.enumerate() {
         let item = item?;
@@ -120,7 +123,9 @@ pub fn extract_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     }
     match obj.extract::<u64>() {
         Ok(v) => Ok(v),
-        Err(_) if obj.extract::<i128>().is_ok() => Err(PyValueError::new_err(format!("{what} = {} is out of range; expected 0..2**64", obj.repr()?))),
+        Err(_) if obj.extract::<i128>().is_ok() => {
+            Err(PyValueError::new_err(format!("{what} = {} is out of range; expected 0..2**64", obj.repr()?)))
+        }
         Err(_) => Err(PyTypeError::new_err(format!("{what} must be an int, got {}", obj.get_type().name()?))),
     }
 }

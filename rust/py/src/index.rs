@@ -48,7 +48,14 @@ impl PyKvIndex {
     /// sequence hash of the block before `hashes[0]` (None: they start at block 0).
     /// Returns the number of new (block, worker) entries.
     #[pyo3(signature = (worker, hashes, *, parent = None, tier = "device"))]
-    fn store(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, hashes: &Bound<'_, PyAny>, parent: Option<&Bound<'_, PyAny>>, tier: &str) -> PyResult<usize> {
+    fn store(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        hashes: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        tier: &str,
+    ) -> PyResult<usize> {
         let w = extract_u64(worker, "worker")?;
         let parent = parent.map(|p| extract_u64(p, "parent")).transpose()?;
         let tier = parse_tier(tier)?;
@@ -203,8 +210,13 @@ impl MatchResult {
     }
 
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items: Vec<Bound<'py, PyTuple>> =
-            self.m.workers.iter().zip(&self.m.depths).map(|(w, d)| PyTuple::new(py, [w.into_pyobject(py)?.into_any(), d.into_pyobject(py)?.into_any()])).collect::<PyResult<_>>()?;
+        let items: Vec<Bound<'py, PyTuple>> = self
+            .m
+            .workers
+            .iter()
+            .zip(&self.m.depths)
+            .map(|(w, d)| PyTuple::new(py, [w.into_pyobject(py)?.into_any(), d.into_pyobject(py)?.into_any()]))
+            .collect::<PyResult<_>>()?;
         PyList::new(py, items)
     }
 

@@ -132,7 +132,9 @@ impl KvIndex {
                     0 => ROOT,
                     1 => {
                         let p = r.u32("parent position")? as usize;
-                        *at.get(p).filter(|_| p < k).ok_or_else(|| IndexError::Corrupt(format!("node {k} of shard {s} names parent {p} not before it")))?
+                        *at.get(p)
+                            .filter(|_| p < k)
+                            .ok_or_else(|| IndexError::Corrupt(format!("node {k} of shard {s} names parent {p} not before it")))?
                     }
                     2 => {
                         orphans.push((k, r.u64("orphan parent hash")?));

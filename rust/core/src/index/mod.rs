@@ -215,11 +215,7 @@ impl KvIndex {
     /// Finds the shard holding node `h`, preferring one where `slot` holds it.
     fn locate(&self, h: u64, slot: Option<u32>, first: Option<usize>) -> Option<usize> {
         let mut fallback = None;
-        let order = first
-            .into_iter()
-            .chain(self.hinted_shard(h))
-            .chain(std::iter::once(root_shard(h)))
-            .chain(0..NUM_SHARDS);
+        let order = first.into_iter().chain(self.hinted_shard(h)).chain(std::iter::once(root_shard(h))).chain(0..NUM_SHARDS);
         let mut seen = 0u32;
         for s in order {
             if seen & (1 << s) != 0 {
