@@ -211,7 +211,7 @@ fn concurrent_readers_and_writers() {
                 let m = idx.find_matches(&chains[r % 64], ANY_TIER);
                 n += m.len();
                 let _ = n;
-                assert!(m.depths.iter().all(|&d| d >= 1 && d <= 32));
+                assert!(m.depths.iter().all(|&d| (1..=32).contains(&d)));
             }
         }));
     }

@@ -1,0 +1,24 @@
+# The few commands a newcomer needs. `make dev` once, then `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: dev build test test-rust lint fmt bench bench-peers
+dev:
+	python3 -m venv $(VENV) && $(VENV)/bin/pip install -q maturin numpy pytest hypothesis pytest-benchmark
+	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release
+build:
+	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release
+test: test-rust
+	$(PY) -m pytest
+test-rust:
+	cargo test -p kvroute-core
+lint:
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+fmt:
+	cargo fmt --all
+bench:
+	$(PY) benches/compare_index.py
+	cargo bench -p kvroute-core
+bench-peers:
+	$(VENV)/bin/pip install -q "ai-dynamo-runtime==1.6.1"
