@@ -93,3 +93,13 @@ def test_matches_dynamo_byte_for_byte() -> None:
     for n, bs in [(64, 16), (8192, 64), (1000, 32)]:
         toks = rng.integers(0, 2**31, size=n, dtype=np.uint32).tolist()
         assert kvroute.local_block_hashes(toks, bs).tolist() == list(dyn.compute_block_hash_for_seq(toks, bs))
+
+
+def test_chain_hashes_matches_block_hashes() -> None:
+    toks = list(range(64 * 5))
+    local = kvroute.local_block_hashes(toks, 64)
+    full = kvroute.block_hashes(toks, 64)
+    assert kvroute.chain_hashes(local).tolist() == full.tolist()
+    assert kvroute.chain_hashes(local[2:], parent=int(full[1])).tolist() == full[2:].tolist()
+    with pytest.raises(ValueError):
+        kvroute.chain_hashes([-1])

@@ -19,6 +19,7 @@ from kvroute._core import (
     MatchResult,
     __version__,
     block_hashes,
+    chain_hashes,
     local_block_hashes,
 )
 
@@ -33,5 +34,6 @@ __all__ = [
     "MatchResult",
     "__version__",
     "block_hashes",
+    "chain_hashes",
     "local_block_hashes",
 ]

@@ -32,10 +32,27 @@ fn block_hashes<'py>(py: Python<'py>, tokens: &Bound<'py, PyAny>, block_size: i6
     Ok(out.into_pyarray(py))
 }
 
+/// Chains already-computed local block hashes into sequence hashes; `parent` continues a chain.
+#[pyfunction]
+#[pyo3(signature = (local_hashes, *, parent = None, seed = 1337))]
+fn chain_hashes<'py>(
+    py: Python<'py>,
+    local_hashes: &Bound<'py, PyAny>,
+    parent: Option<&Bound<'py, PyAny>>,
+    seed: u64,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let parent = parent.map(|p| convert::extract_u64(p, "parent")).transpose()?;
+    let locals = convert::extract_hashes(local_hashes)?;
+    let slice = locals.as_slice();
+    let out = py.detach(|| kvroute_core::hash::chain_local_hashes(slice, seed, parent));
+    Ok(out.into_pyarray(py))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_hashes, m)?)?;
     m.add_class::<index::PyKvIndex>()?;
     m.add_class::<index::MatchResult>()?;
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;

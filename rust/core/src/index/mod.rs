@@ -244,15 +244,21 @@ impl KvIndex {
         }
         let (_reg, slot) = self.slot_for(worker);
         let tick = self.clock.fetch_add(1, Relaxed) + 1;
-        // Which shard, and which node to hang the chain under.
-        let (s, parent_hash) = match parent {
-            None => (root_shard(hashes[0]), None),
-            Some(p) => match self.locate(p, Some(slot), None) {
-                Some(s) => (s, Some(p)),
-                None => (root_shard(hashes[0]), Some(p)),
-            },
+        // Which shard, and which node to hang the chain under. A continuation usually extends
+        // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
+        let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.shard(s).write()));
+        let (s, parent_hash, mut g) = match (parent, hinted) {
+            (None, _) => {
+                let s = root_shard(hashes[0]);
+                (s, None, self.shard(s).write())
+            }
+            (Some(p), Some((s, g))) if g.find(p).is_some() => (s, Some(p), g),
+            (Some(p), held) => {
+                drop(held);
+                let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
+                (s, Some(p), self.shard(s).write())
+            }
         };
-        let mut g = self.shard(s).write();
         let mut prev = match parent_hash {
             None => ROOT,
             Some(p) => match g.find(p) {
@@ -272,17 +278,26 @@ impl KvIndex {
         let mut created = 0usize;
         let mut linked: Vec<u64> = Vec::new();
         let waiting = self.awaiting_len.load(Relaxed) > 0;
+        let mut guess = u32::MAX;
         for &h in hashes {
-            let i = match g.find(h) {
-                Some(i) => {
+            let found = if prev < FREE { g.find_child(h, prev, guess) } else { None };
+            let (i, fresh) = match found {
+                Some(i) => (i, false),
+                None => match g.find_or_create(h, prev, tick) {
+                    Some(x) => x,
+                    None => break,
+                },
+            };
+            guess = i.wrapping_add(1);
+            let i = match fresh {
+                false => {
                     if g.node(i).parent != prev && !(prev == ORPHAN && g.node(i).parent == ORPHAN) {
                         self.counters.parent_mismatches.fetch_add(1, Relaxed);
                     }
                     g.node(i).tick.store(tick, Relaxed);
                     i
                 }
-                None => {
-                    let Some(i) = g.create(h, prev, tick) else { break };
+                true => {
                     if prev == ORPHAN {
                         let p = parent_hash.expect("orphan has a parent hash");
                         g.orphan_parent.insert(i, p);
@@ -496,13 +511,11 @@ impl KvIndex {
         alive.resize(nw, 0);
         slots.clear();
         let mut prev = ROOT;
+        let mut guess = u32::MAX;
         let mut depth = 0u32;
         for (d, &h) in hashes.iter().enumerate() {
-            let Some(i) = g.find(h) else { break };
+            let Some(i) = g.find_child(h, prev, guess) else { break };
             let node = g.node(i);
-            if node.parent != prev {
-                break;
-            }
             let mut any = 0u64;
             for (w, a) in alive.iter_mut().enumerate() {
                 let held = g.arena.word(node.holders, mask, w);
@@ -520,6 +533,7 @@ impl KvIndex {
             }
             g.touch(i, clock);
             prev = i;
+            guess = i.wrapping_add(1);
             depth = d as u32 + 1;
         }
         for (w, &a) in alive.iter().enumerate() {

@@ -58,6 +58,20 @@ impl Shard {
         self.table.find(mix(h), |&i| nodes[i as usize].hash == h).copied()
     }
 
+    /// Finds `h` as a child of `prev`, trying slab slot `guess` first: a chain stored in one
+    /// call sits in consecutive slots, so walks mostly skip the table (path compression's
+    /// cache-friendliness without splitting and merging edges).
+    #[inline]
+    pub fn find_child(&self, h: u64, prev: u32, guess: u32) -> Option<u32> {
+        if let Some(n) = self.nodes.get(guess as usize) {
+            if n.hash == h && n.parent == prev {
+                return Some(guess);
+            }
+        }
+        let i = self.find(h)?;
+        (self.nodes[i as usize].parent == prev).then_some(i)
+    }
+
     #[inline]
     pub fn node(&self, i: u32) -> &Node {
         &self.nodes[i as usize]
@@ -68,7 +82,23 @@ impl Shard {
     }
 
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
+    /// `None` when the shard is full.
     pub fn create(&mut self, h: u64, parent: u32, tick: u64) -> Option<u32> {
+        match self.find_or_create(h, parent, tick) {
+            Some((i, true)) => Some(i),
+            Some((_, false)) => unreachable!("create() of a hash already present"),
+            None => None,
+        }
+    }
+
+    /// The node for `h`, creating it under `parent` if absent, with one table probe.
+    /// Returns (node, created); `None` when the shard is full.
+    pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u64) -> Option<(u32, bool)> {
+        let nodes = &self.nodes;
+        let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
+            hashbrown::hash_table::Entry::Occupied(o) => return Some((*o.get(), false)),
+            hashbrown::hash_table::Entry::Vacant(v) => v,
+        };
         let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU64::new(tick), parent, children: 0 };
         let i = match self.free.pop() {
             Some(i) => {
@@ -79,17 +109,20 @@ impl Shard {
                 if self.nodes.len() >= MAX_NODES_PER_SHARD {
                     return None;
                 }
+                if self.nodes.len() == self.nodes.capacity() {
+                    // Grow by a quarter, not double: the slab is most of the index's memory.
+                    self.nodes.reserve_exact((self.nodes.len() / 4).max(1024));
+                }
                 self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
         };
-        let nodes = &self.nodes;
-        self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
+        vacant.insert(i);
         if parent < FREE {
             self.nodes[parent as usize].children += 1;
         }
         self.live += 1;
-        Some(i)
+        Some((i, true))
     }
 
     /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
