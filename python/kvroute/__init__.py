@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 from kvroute._core import (
     NUM_SHARDS,
+    IndexCapacityError,
+    KvrouteError,
     KvIndex,
     MatchResult,
     __version__,
@@ -29,6 +31,8 @@ TIERS = ("device", "host", "disk")
 
 __all__ = [
     "NUM_SHARDS",
+    "IndexCapacityError",
+    "KvrouteError",
     "TIERS",
     "KvIndex",
     "MatchResult",

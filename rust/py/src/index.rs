@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::convert::{extract_hashes, extract_u64};
+use crate::errors::index_err;
 
 fn parse_tier(tier: &str) -> PyResult<Tier> {
     Tier::from_name(tier).ok_or_else(|| PyValueError::new_err(format!("tier must be 'device', 'host' or 'disk', got {tier:?}")))
@@ -62,7 +63,7 @@ impl PyKvIndex {
         let hs = extract_hashes(hashes)?;
         let s = hs.as_slice();
         let idx = &self.inner;
-        Ok(py.detach(|| idx.store(w, s, parent, tier)))
+        py.detach(|| idx.store(w, s, parent, tier)).map_err(index_err)
     }
 
     /// Records that `worker` dropped `hashes` (from `tier`, or from every tier when None).
@@ -154,7 +155,7 @@ impl PyKvIndex {
     #[staticmethod]
     #[pyo3(signature = (data, *, max_nodes = None))]
     fn load(py: Python<'_>, data: &[u8], max_nodes: Option<usize>) -> PyResult<Self> {
-        let idx = py.detach(|| KvIndex::load(data, max_nodes)).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let idx = py.detach(|| KvIndex::load(data, max_nodes)).map_err(index_err)?;
         Ok(PyKvIndex { inner: Arc::new(idx) })
     }
 

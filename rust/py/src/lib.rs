@@ -2,6 +2,7 @@
 //! exceptions, and the GIL released around every call that does real work.
 
 mod convert;
+mod errors;
 mod index;
 
 use numpy::{IntoPyArray, PyArray1};
@@ -53,6 +54,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(chain_hashes, m)?)?;
+    errors::register(m)?;
     m.add_class::<index::PyKvIndex>()?;
     m.add_class::<index::MatchResult>()?;
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;

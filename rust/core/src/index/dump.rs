@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::shard::{FREE, ORPHAN, ROOT};
 use super::{IndexError, KvIndex, WorkerId, NUM_SHARDS};
 
-const MAGIC: &[u8; 8] = b"KVRIDX01";
+const MAGIC: &[u8; 8] = b"KVRIDX02";
 
 struct Reader<'a> {
     buf: &'a [u8],
@@ -92,7 +92,7 @@ impl KvIndex {
             return Err(IndexError::Corrupt(format!("dump has {shards} shards, this build uses {NUM_SHARDS}")));
         }
         let idx = KvIndex::new(max_nodes);
-        idx.clock.store(r.u64("clock")?, Relaxed);
+        idx.clock.store(r.u32("clock")?, Relaxed);
         let nworkers = r.u32("worker count")? as usize;
         {
             let mut reg = idx.registry.write();
@@ -118,8 +118,8 @@ impl KvIndex {
         let mut total = 0usize;
         for s in 0..NUM_SHARDS {
             let count = r.u64("node count")? as usize;
-            // Each node takes at least 21 bytes: refuse counts the data cannot hold.
-            if count > (data.len() - r.pos) / 21 {
+            // Each node takes at least 17 bytes: refuse counts the data cannot hold.
+            if count > (data.len() - r.pos) / 17 {
                 return Err(IndexError::Corrupt(format!("shard {s} claims {count} nodes, more than the data holds")));
             }
             let mut g = idx.shard(s).write();
@@ -127,7 +127,7 @@ impl KvIndex {
             let mut orphans = Vec::new();
             for k in 0..count {
                 let hash = r.u64("block hash")?;
-                let tick = r.u64("tick")?;
+                let tick = r.u32("tick")?;
                 let parent = match r.u8("parent kind")? {
                     0 => ROOT,
                     1 => {

@@ -1,5 +1,5 @@
 //! Per-node worker membership: which workers hold a block, and on which tiers.
-//! One worker is encoded inline in a `u64`; more spill into a per-shard bitset arena.
+//! One worker is encoded inline in a `u32`; more spill into a per-shard bitset arena.
 
 /// Storage tier of a cached block (vLLM's and SGLang's `medium`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,24 +40,32 @@ impl Tier {
 pub type TierMask = u8;
 pub const ANY_TIER: TierMask = 0b111;
 
-const TAG_SHIFT: u32 = 62;
-const TAG_SINGLE: u64 = 1;
-const TAG_MANY: u64 = 2;
-pub(crate) const EMPTY: u64 = 0;
+/// Encoded holders: tag in bits 30..32; a single holder keeps its slot in bits 0..27 and its
+/// tiers in bits 27..30; a spilled set keeps its arena index in bits 0..30.
+pub(crate) type Holders = u32;
+
+const TAG_SHIFT: u32 = 30;
+const TAG_SINGLE: u32 = 1;
+const TAG_MANY: u32 = 2;
+const SLOT_BITS: u32 = 27;
+/// Worker slots the inline encoding can name (distinct live workers in one index).
+pub const MAX_WORKERS: u32 = 1 << SLOT_BITS;
+pub(crate) const EMPTY: Holders = 0;
 
 #[inline]
-fn tag(h: u64) -> u64 {
+fn tag(h: Holders) -> u32 {
     h >> TAG_SHIFT
 }
 
 #[inline]
-fn single(slot: u32, tiers: TierMask) -> u64 {
-    (TAG_SINGLE << TAG_SHIFT) | ((tiers as u64) << 32) | slot as u64
+fn single(slot: u32, tiers: TierMask) -> Holders {
+    debug_assert!(slot < MAX_WORKERS);
+    (TAG_SINGLE << TAG_SHIFT) | ((tiers as u32) << SLOT_BITS) | slot
 }
 
 #[inline]
-fn single_parts(h: u64) -> (u32, TierMask) {
-    (h as u32, ((h >> 32) & 0b111) as u8)
+fn single_parts(h: Holders) -> (u32, TierMask) {
+    (h & (MAX_WORKERS - 1), ((h >> SLOT_BITS) & 0b111) as u8)
 }
 
 /// Outcome of adding a (worker, tier) to a block.
@@ -140,7 +148,7 @@ impl HolderArena {
     }
 
     /// Adds `slot` on tier `tier` to holders `h`; returns the new encoding.
-    pub fn add(&mut self, h: u64, slot: u32, tier: TierMask) -> (u64, Added) {
+    pub fn add(&mut self, h: Holders, slot: u32, tier: TierMask) -> (Holders, Added) {
         match tag(h) {
             0 => (single(slot, tier), Added { new_entry: true, duplicate: false }),
             TAG_SINGLE => {
@@ -152,11 +160,11 @@ impl HolderArena {
                     let i = self.alloc(stride);
                     self.set_bit(i, s, t);
                     self.set_bit(i, slot, tier);
-                    ((TAG_MANY << TAG_SHIFT) | i as u64, Added { new_entry: true, duplicate: false })
+                    ((TAG_MANY << TAG_SHIFT) | i, Added { new_entry: true, duplicate: false })
                 }
             }
             _ => {
-                let i = h as u32;
+                let i = h & !(3 << TAG_SHIFT);
                 let before = self.tiers_of(i, slot);
                 self.set_bit(i, slot, tier);
                 (h, Added { new_entry: before == 0, duplicate: before & tier == tier })
@@ -166,7 +174,7 @@ impl HolderArena {
 
     /// Removes `slot` from `tiers` of holders `h`. Returns the new encoding and whether the
     /// worker held the block before and no longer holds it on any tier.
-    pub fn remove(&mut self, h: u64, slot: u32, tiers: TierMask) -> (u64, bool) {
+    pub fn remove(&mut self, h: Holders, slot: u32, tiers: TierMask) -> (Holders, bool) {
         match tag(h) {
             0 => (h, false),
             TAG_SINGLE => {
@@ -182,7 +190,7 @@ impl HolderArena {
                 }
             }
             _ => {
-                let i = h as u32;
+                let i = h & !(3 << TAG_SHIFT);
                 let before = self.tiers_of(i, slot);
                 if before & tiers == 0 {
                     return (h, false);
@@ -202,7 +210,7 @@ impl HolderArena {
     }
 
     /// Re-encodes spilled set `i` as empty or single when it has at most one holder left.
-    fn shrink(&mut self, i: u32) -> u64 {
+    fn shrink(&mut self, i: u32) -> Holders {
         let set = &self.sets[i as usize];
         let stride = set.len() / 3;
         let mut count = 0u32;
@@ -211,7 +219,7 @@ impl HolderArena {
             let any = set[w] | set[stride + w] | set[2 * stride + w];
             count += any.count_ones();
             if count > 1 {
-                return (TAG_MANY << TAG_SHIFT) | i as u64;
+                return (TAG_MANY << TAG_SHIFT) | i;
             }
             if any != 0 {
                 let slot = w as u32 * 64 + any.trailing_zeros();
@@ -227,15 +235,15 @@ impl HolderArena {
     }
 
     /// Frees whatever `h` owns (before a node is deleted).
-    pub fn drop_holders(&mut self, h: u64) {
+    pub fn drop_holders(&mut self, h: Holders) {
         if tag(h) == TAG_MANY {
-            self.release(h as u32);
+            self.release(h & !(3 << TAG_SHIFT));
         }
     }
 
     /// Word `w` of the bitset of workers holding the block on any tier in `mask`.
     #[inline]
-    pub fn word(&self, h: u64, mask: TierMask, w: usize) -> u64 {
+    pub fn word(&self, h: Holders, mask: TierMask, w: usize) -> u64 {
         match tag(h) {
             0 => 0,
             TAG_SINGLE => {
@@ -247,7 +255,7 @@ impl HolderArena {
                 }
             }
             _ => {
-                let set = &self.sets[h as u32 as usize];
+                let set = &self.sets[(h & !(3 << TAG_SHIFT)) as usize];
                 let stride = set.len() / 3;
                 if w >= stride {
                     return 0;
@@ -264,7 +272,7 @@ impl HolderArena {
     }
 
     /// Tiers on which `slot` holds the block.
-    pub fn tiers(&self, h: u64, slot: u32) -> TierMask {
+    pub fn tiers(&self, h: Holders, slot: u32) -> TierMask {
         match tag(h) {
             0 => 0,
             TAG_SINGLE => {
@@ -275,18 +283,18 @@ impl HolderArena {
                     0
                 }
             }
-            _ => self.tiers_of(h as u32, slot),
+            _ => self.tiers_of(h & !(3 << TAG_SHIFT), slot),
         }
     }
 
     /// Every (slot, tiers) holding the block.
-    pub fn list(&self, h: u64, out: &mut Vec<(u32, TierMask)>) {
+    pub fn list(&self, h: Holders, out: &mut Vec<(u32, TierMask)>) {
         out.clear();
         match tag(h) {
             0 => {}
             TAG_SINGLE => out.push(single_parts(h)),
             _ => {
-                let i = h as u32;
+                let i = h & !(3 << TAG_SHIFT);
                 let set = &self.sets[i as usize];
                 let stride = set.len() / 3;
                 for w in 0..stride {
@@ -303,7 +311,7 @@ impl HolderArena {
 }
 
 #[inline]
-pub(crate) fn is_empty(h: u64) -> bool {
+pub(crate) fn is_empty(h: Holders) -> bool {
     h == EMPTY
 }
 
@@ -328,7 +336,7 @@ mod tests {
         assert_eq!(l, vec![(3, 1), (130, 2)]);
         let (h, gone) = a.remove(h, 3, ANY_TIER);
         assert!(gone);
-        assert_eq!(h >> 62, 1, "shrinks back to a single holder");
+        assert_eq!(h >> TAG_SHIFT, 1, "shrinks back to a single holder");
         assert_eq!(a.tiers(h, 130), Tier::Host.bit());
         let (h, gone) = a.remove(h, 130, Tier::Device.bit());
         assert!(!gone);

@@ -17,14 +17,14 @@ mod shard;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
-pub use holders::{Tier, TierMask, ANY_TIER};
+pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
 use shard::{mix, Shard, FREE, ORPHAN, ROOT};
 
 /// Number of shards; a power of two.
@@ -37,8 +37,10 @@ pub type WorkerId = u64;
 pub enum IndexError {
     #[error("corrupt index dump: {0}")]
     Corrupt(String),
-    #[error("index shard is full ({0} nodes)")]
+    #[error("index shard is full ({0} nodes); set max_nodes to bound the index")]
     Full(usize),
+    #[error("too many workers: at most {0} distinct workers can be registered at once")]
+    TooManyWorkers(u32),
 }
 
 /// Counters describing the index; see `KvIndex::stats`.
@@ -105,7 +107,8 @@ pub struct KvIndex {
     registry: RwLock<Registry>,
     /// Slot -> worker id, read without locks by matches.
     slot_ids: ArcSwap<Vec<Option<WorkerId>>>,
-    clock: AtomicU64,
+    /// Recency clock: +1 per store call; ticks are halved before it can wrap.
+    clock: AtomicU32,
     nodes: AtomicUsize,
     max_nodes: Option<usize>,
     evicting: Mutex<()>,
@@ -118,6 +121,7 @@ pub struct KvIndex {
 }
 
 const HINT_SLOTS: usize = 1 << 14;
+const CLOCK_LIMIT: u32 = 1 << 31;
 
 #[inline]
 fn root_shard(h: u64) -> usize {
@@ -137,7 +141,7 @@ impl KvIndex {
             shards: (0..NUM_SHARDS).map(|_| PaddedShard(RwLock::new(Shard::default()))).collect(),
             registry: RwLock::new(Registry::default()),
             slot_ids: ArcSwap::from_pointee(Vec::new()),
-            clock: AtomicU64::new(1),
+            clock: AtomicU32::new(1),
             nodes: AtomicUsize::new(0),
             max_nodes,
             evicting: Mutex::new(()),
@@ -159,11 +163,11 @@ impl KvIndex {
     // ---- worker registry -------------------------------------------------------------
 
     /// Resolves (registering if new) a worker's slot; the returned guard keeps the slot valid.
-    fn slot_for(&self, worker: WorkerId) -> (RwLockReadGuard<'_, Registry>, u32) {
+    fn slot_for(&self, worker: WorkerId) -> Result<(RwLockReadGuard<'_, Registry>, u32), IndexError> {
         {
             let r = self.registry.read();
             if let Some(&s) = r.slot_of.get(&worker) {
-                return (r, s);
+                return Ok((r, s));
             }
         }
         let mut w = self.registry.write();
@@ -172,6 +176,7 @@ impl KvIndex {
             None => {
                 let s = match w.free.pop() {
                     Some(s) => s,
+                    None if w.ids.len() >= MAX_WORKERS as usize => return Err(IndexError::TooManyWorkers(MAX_WORKERS)),
                     None => {
                         w.ids.push(None);
                         (w.ids.len() - 1) as u32
@@ -183,7 +188,7 @@ impl KvIndex {
                 s
             }
         };
-        (parking_lot::RwLockWriteGuard::downgrade(w), slot)
+        Ok((parking_lot::RwLockWriteGuard::downgrade(w), slot))
     }
 
     fn existing_slot(&self, worker: WorkerId) -> Option<(RwLockReadGuard<'_, Registry>, u32)> {
@@ -238,12 +243,15 @@ impl KvIndex {
     /// Records that `worker` holds the blocks `hashes` (consecutive sequence hashes) on `tier`.
     /// `parent` is the sequence hash of the block before `hashes[0]`; `None` means block 0.
     /// Returns the number of (block, worker) entries that are new.
-    pub fn store(&self, worker: WorkerId, hashes: &[u64], parent: Option<u64>, tier: Tier) -> usize {
+    pub fn store(&self, worker: WorkerId, hashes: &[u64], parent: Option<u64>, tier: Tier) -> Result<usize, IndexError> {
         if hashes.is_empty() {
-            return 0;
+            return Ok(0);
         }
-        let (_reg, slot) = self.slot_for(worker);
+        let (_reg, slot) = self.slot_for(worker)?;
         let tick = self.clock.fetch_add(1, Relaxed) + 1;
+        if tick >= CLOCK_LIMIT {
+            self.halve_clock();
+        }
         // Which shard, and which node to hang the chain under. A continuation usually extends
         // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
         let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.shard(s).write()));
@@ -279,13 +287,17 @@ impl KvIndex {
         let mut linked: Vec<u64> = Vec::new();
         let waiting = self.awaiting_len.load(Relaxed) > 0;
         let mut guess = u32::MAX;
+        let mut full = false;
         for &h in hashes {
             let found = if prev < FREE { g.find_child(h, prev, guess) } else { None };
             let (i, fresh) = match found {
                 Some(i) => (i, false),
                 None => match g.find_or_create(h, prev, tick) {
                     Some(x) => x,
-                    None => break,
+                    None => {
+                        full = true;
+                        break;
+                    }
                 },
             };
             guess = i.wrapping_add(1);
@@ -327,7 +339,10 @@ impl KvIndex {
         }
         drop(_reg);
         self.maybe_evict();
-        new_entries
+        if full {
+            return Err(IndexError::Full(shard::MAX_NODES_PER_SHARD));
+        }
+        Ok(new_entries)
     }
 
     /// Hangs the orphan chains that were waiting for parent `h` (now in shard `s`) under it.
@@ -592,6 +607,20 @@ impl KvIndex {
         st
     }
 
+    /// Halves the clock and every tick (recency order kept) so the u32 clock never wraps.
+    #[cold]
+    fn halve_clock(&self) {
+        let _one = self.evicting.lock();
+        if self.clock.load(Relaxed) < CLOCK_LIMIT {
+            return; // another thread did it
+        }
+        let mut guards: Vec<_> = (0..NUM_SHARDS).map(|s| self.shard(s).write()).collect();
+        for g in guards.iter_mut() {
+            g.halve_ticks();
+        }
+        self.clock.store(self.clock.load(Relaxed) >> 1, Relaxed);
+    }
+
     // ---- eviction --------------------------------------------------------------------
 
     fn maybe_evict(&self) {
@@ -602,7 +631,7 @@ impl KvIndex {
         let Some(_one) = self.evicting.try_lock() else { return };
         let target = cap - cap / 10;
         // Oldest leaves first; a parent joins the heap when its last child goes.
-        let mut heap: BinaryHeap<Reverse<(u64, u32, u32)>> = BinaryHeap::new();
+        let mut heap: BinaryHeap<Reverse<(u32, u32, u32)>> = BinaryHeap::new();
         for s in 0..NUM_SHARDS {
             let g = self.shard(s).read();
             for (i, n) in g.nodes.iter().enumerate() {

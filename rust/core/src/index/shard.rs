@@ -1,11 +1,11 @@
 //! One shard of the index: a slab of nodes keyed by sequence hash, holding every chain whose
 //! first block hashes to this shard, so a prefix match reads exactly one shard.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use hashbrown::HashTable;
 
-use super::holders::{self, HolderArena, TierMask};
+use super::holders::{self, HolderArena, Holders, TierMask};
 
 /// `Node::parent` of a block 0 (a root of the tree).
 pub(crate) const ROOT: u32 = u32::MAX;
@@ -24,13 +24,13 @@ pub(crate) fn mix(h: u64) -> u64 {
     (r as u64) ^ ((r >> 64) as u64)
 }
 
-/// One block: 32 bytes.
+/// One block: 24 bytes.
 pub(crate) struct Node {
     pub hash: u64,
     /// Encoded holders (see `holders`).
-    pub holders: u64,
+    pub holders: Holders,
     /// Recency for eviction: the index clock when last stored or matched.
-    pub tick: AtomicU64,
+    pub tick: AtomicU32,
     /// Index of the parent node in this shard, or `ROOT` / `ORPHAN` / `FREE`.
     pub parent: u32,
     pub children: u32,
@@ -83,7 +83,7 @@ impl Shard {
 
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
     /// `None` when the shard is full.
-    pub fn create(&mut self, h: u64, parent: u32, tick: u64) -> Option<u32> {
+    pub fn create(&mut self, h: u64, parent: u32, tick: u32) -> Option<u32> {
         match self.find_or_create(h, parent, tick) {
             Some((i, true)) => Some(i),
             Some((_, false)) => unreachable!("create() of a hash already present"),
@@ -93,13 +93,13 @@ impl Shard {
 
     /// The node for `h`, creating it under `parent` if absent, with one table probe.
     /// Returns (node, created); `None` when the shard is full.
-    pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u64) -> Option<(u32, bool)> {
+    pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u32) -> Option<(u32, bool)> {
         let nodes = &self.nodes;
         let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
             hashbrown::hash_table::Entry::Occupied(o) => return Some((*o.get(), false)),
             hashbrown::hash_table::Entry::Vacant(v) => v,
         };
-        let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU64::new(tick), parent, children: 0 };
+        let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
         let i = match self.free.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;
@@ -287,7 +287,14 @@ impl Shard {
             + self.orphan_parent.capacity() * 13
     }
 
-    pub fn touch(&self, i: u32, clock: u64) {
+    /// Halves every tick (order kept) when the clock nears wrapping.
+    pub fn halve_ticks(&mut self) {
+        for n in &mut self.nodes {
+            *n.tick.get_mut() >>= 1;
+        }
+    }
+
+    pub fn touch(&self, i: u32, clock: u32) {
         let t = &self.nodes[i as usize].tick;
         if t.load(Relaxed) != clock {
             t.store(clock, Relaxed);

@@ -12,8 +12,8 @@ fn depth(idx: &KvIndex, q: &[u64], w: WorkerId) -> Option<u32> {
 fn store_and_match_contiguous() {
     let idx = KvIndex::new(None);
     let c = chain(1, 10);
-    assert_eq!(idx.store(7, &c[..6], None, Tier::Device), 6);
-    idx.store(8, &c[..3], None, Tier::Device);
+    assert_eq!(idx.store(7, &c[..6], None, Tier::Device), Ok(6));
+    idx.store(8, &c[..3], None, Tier::Device).unwrap();
     assert_eq!(depth(&idx, &c, 7), Some(6));
     assert_eq!(depth(&idx, &c, 8), Some(3));
     assert_eq!(idx.len(), 6);
@@ -29,8 +29,8 @@ fn store_and_match_contiguous() {
 fn continuation_under_parent() {
     let idx = KvIndex::new(None);
     let c = chain(2, 8);
-    idx.store(1, &c[..4], None, Tier::Device);
-    idx.store(1, &c[4..], Some(c[3]), Tier::Device);
+    idx.store(1, &c[..4], None, Tier::Device).unwrap();
+    idx.store(1, &c[4..], Some(c[3]), Tier::Device).unwrap();
     assert_eq!(depth(&idx, &c, 1), Some(8));
     assert_eq!(idx.stats().orphan_stores, 0);
 }
@@ -39,11 +39,11 @@ fn continuation_under_parent() {
 fn orphan_store_links_when_gap_fills() {
     let idx = KvIndex::new(None);
     let c = chain(3, 8);
-    idx.store(1, &c[..2], None, Tier::Device);
-    idx.store(1, &c[4..], Some(c[3]), Tier::Device); // blocks 2,3 never seen yet
+    idx.store(1, &c[..2], None, Tier::Device).unwrap();
+    idx.store(1, &c[4..], Some(c[3]), Tier::Device).unwrap(); // blocks 2,3 never seen yet
     assert_eq!(idx.stats().orphan_stores, 1);
     assert_eq!(depth(&idx, &c, 1), Some(2));
-    idx.store(1, &c[2..4], Some(c[1]), Tier::Device);
+    idx.store(1, &c[2..4], Some(c[1]), Tier::Device).unwrap();
     assert_eq!(depth(&idx, &c, 1), Some(8));
     assert_eq!(idx.len(), 8);
     assert_eq!(idx.num_blocks(1), 8);
@@ -59,9 +59,9 @@ fn orphan_links_across_shards() {
             continue;
         }
         let idx = KvIndex::new(None);
-        idx.store(5, &c[3..], Some(c[2]), Tier::Host);
-        idx.store(6, &c[4..], Some(c[3]), Tier::Device);
-        idx.store(5, &c[..3], None, Tier::Host);
+        idx.store(5, &c[3..], Some(c[2]), Tier::Host).unwrap();
+        idx.store(6, &c[4..], Some(c[3]), Tier::Device).unwrap();
+        idx.store(5, &c[..3], None, Tier::Host).unwrap();
         assert_eq!(depth(&idx, &c, 5), Some(6));
         assert_eq!(depth(&idx, &c, 6), None, "worker 6 lacks block 0");
         assert_eq!(idx.len(), 6);
@@ -78,8 +78,8 @@ fn orphan_links_across_shards() {
 fn tiers_and_partial_removal() {
     let idx = KvIndex::new(None);
     let c = chain(4, 4);
-    idx.store(1, &c, None, Tier::Device);
-    idx.store(1, &c[..2], None, Tier::Host);
+    idx.store(1, &c, None, Tier::Device).unwrap();
+    idx.store(1, &c[..2], None, Tier::Host).unwrap();
     assert_eq!(idx.find_matches(&c, Tier::Host.bit()).get(1), Some(2));
     idx.remove(1, &c[..1], Tier::Device.bit());
     assert_eq!(idx.find_matches(&c, Tier::Device.bit()).get(1), None);
@@ -91,8 +91,8 @@ fn tiers_and_partial_removal() {
 fn clear_and_remove_worker_unknowns_are_noops() {
     let idx = KvIndex::new(None);
     let c = chain(5, 5);
-    idx.store(1, &c, None, Tier::Device);
-    idx.store(2, &c[..2], None, Tier::Device);
+    idx.store(1, &c, None, Tier::Device).unwrap();
+    idx.store(2, &c[..2], None, Tier::Device).unwrap();
     assert_eq!(idx.clear(99), 0);
     assert_eq!(idx.remove(99, &c, ANY_TIER), 0);
     assert_eq!(idx.stats().unknown_removals, 5);
@@ -102,7 +102,7 @@ fn clear_and_remove_worker_unknowns_are_noops() {
     assert!(idx.is_empty());
     assert_eq!(idx.workers(), vec![1]);
     // The freed slot is reused without leaking old membership.
-    idx.store(3, &c[..1], None, Tier::Device);
+    idx.store(3, &c[..1], None, Tier::Device).unwrap();
     assert_eq!(idx.find_matches(&c, ANY_TIER), Matches { workers: vec![3], depths: vec![1] });
 }
 
@@ -111,7 +111,7 @@ fn many_workers_spill() {
     let idx = KvIndex::new(None);
     let c = chain(6, 16);
     for w in 0..200u64 {
-        idx.store(w * 11, &c[..(w as usize % 16) + 1], None, Tier::Device);
+        idx.store(w * 11, &c[..(w as usize % 16) + 1], None, Tier::Device).unwrap();
     }
     let m = idx.find_matches(&c, ANY_TIER);
     assert_eq!(m.len(), 200);
@@ -131,7 +131,7 @@ fn eviction_respects_cap_and_never_overreports() {
     let mut all = Vec::new();
     for k in 0..50u64 {
         let c = chain(1000 + k, 8);
-        idx.store(k % 4, &c, None, Tier::Device);
+        idx.store(k % 4, &c, None, Tier::Device).unwrap();
         all.push((k % 4, c));
         assert!(idx.len() <= 100);
     }
@@ -151,16 +151,16 @@ fn dump_load_round_trip_and_corruption() {
     let idx = KvIndex::new(None);
     for k in 0..30u64 {
         let c = chain(2000 + k, 5 + k as usize % 7);
-        idx.store(k % 5, &c, None, if k % 3 == 0 { Tier::Host } else { Tier::Device });
+        idx.store(k % 5, &c, None, if k % 3 == 0 { Tier::Host } else { Tier::Device }).unwrap();
     }
     let c = chain(9999, 6);
-    idx.store(2, &c[3..], Some(c[2]), Tier::Device); // an orphan survives the round trip
+    idx.store(2, &c[3..], Some(c[2]), Tier::Device).unwrap(); // an orphan survives the round trip
     let bytes = idx.dump();
     let back = KvIndex::load(&bytes, None).unwrap();
     assert_eq!(back.stats().nodes, idx.stats().nodes);
     assert_eq!(back.stats().entries, idx.stats().entries);
     assert_eq!(back.dump(), bytes);
-    back.store(2, &c[..3], None, Tier::Device);
+    back.store(2, &c[..3], None, Tier::Device).unwrap();
     assert_eq!(depth(&back, &c, 2), Some(6));
     for cut in [0, 7, 20, bytes.len() / 2, bytes.len() - 1] {
         assert!(KvIndex::load(&bytes[..cut], None).is_err());
@@ -174,7 +174,7 @@ fn dump_load_round_trip_and_corruption() {
 fn parent_check_rejects_non_chains() {
     let idx = KvIndex::new(None);
     let a = chain(7, 3);
-    idx.store(1, &a, None, Tier::Device);
+    idx.store(1, &a, None, Tier::Device).unwrap();
     // A query whose second block exists but under another parent does not match past block 0.
     let q = [a[0], a[2]];
     assert_eq!(depth(&idx, &q, 1), Some(1));
@@ -195,7 +195,7 @@ fn concurrent_readers_and_writers() {
                 if r % 5 == 4 {
                     idx.remove(w, &c[16..], ANY_TIER);
                 } else {
-                    idx.store(w, c, None, Tier::Device);
+                    idx.store(w, c, None, Tier::Device).unwrap();
                 }
                 if r % 997 == 0 {
                     idx.clear(w);
