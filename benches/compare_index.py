@@ -1,0 +1,254 @@
+"""kvroute's index and hashing side by side with NVIDIA Dynamo's `RadixTree`, same workload, same run.
+
+Usage: python benches/compare_index.py [--quick] [--json PATH]
+Prints one table (ours, Dynamo's, ratio); Dynamo columns are skipped if ai-dynamo-runtime is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kvroute  # noqa: E402
+from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree  # noqa: E402
+from workload import Session, chat_workload, long_sessions  # noqa: E402
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
+
+
+def time_calls(fn, args_list, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        for a in args_list:
+            t = time.perf_counter_ns()
+            fn(a)
+            out.append((time.perf_counter_ns() - t) / 1000)
+    return out
+
+
+def build_kvroute(sessions: list[Session], batch: int) -> tuple[kvroute.KvIndex, float, int]:
+    idx = kvroute.KvIndex()
+    work = []
+    for s in sessions:
+        for i in range(0, len(s.seq), batch):
+            work.append((s.worker, s.seq[i : i + batch], int(s.seq[i - 1]) if i else None))
+    t = time.perf_counter()
+    for w, hs, p in work:
+        idx.store(w, hs, parent=p)
+    dt = time.perf_counter() - t
+    return idx, dt, sum(len(x[1]) for x in work)
+
+
+def build_dynamo(sessions: list[Session], batch: int):
+    tree = dynamo_tree()
+    events = []
+    eid = 0
+    for s in sessions:
+        seq, loc = s.seq.tolist(), s.local.tolist()
+        for i in range(0, len(seq), batch):
+            events.append((s.worker, dynamo_stored_event(eid, seq[i : i + batch], loc[i : i + batch], seq[i - 1] if i else None)))
+            eid += 1
+    blocks = sum(len(s.seq) for s in sessions)
+    t = time.perf_counter()
+    for w, e in events:
+        tree.apply_event(w, e)
+    return tree, time.perf_counter() - t, blocks
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(which: str, workers: int, entries: int) -> None:
+    """Runs in a subprocess: RSS growth from building the index, per (block, worker) entry."""
+    sessions = chat_workload(workers, entries)
+    if which == "dynamo":  # events are built before measuring, then dropped as they are applied
+        tree = dynamo_tree()
+        evs = []
+        eid = 0
+        for s in sessions:
+            seq, loc = s.seq.tolist(), s.local.tolist()
+            for i in range(0, len(seq), 64):
+                evs.append((s.worker, dynamo_stored_event(eid, seq[i : i + 64], loc[i : i + 64], seq[i - 1] if i else None)))
+                eid += 1
+        gc.collect()
+        before = rss_bytes() - sum(len(e) for _, e in evs)
+        for k in range(len(evs)):
+            tree.apply_event(*evs[k])
+            evs[k] = None  # type: ignore[call-overload]
+        gc.collect()
+        used = rss_bytes() - before
+        entries_n = None
+    else:
+        gc.collect()
+        before = rss_bytes()
+        idx = kvroute.KvIndex()
+        for s in sessions:
+            for i in range(0, len(s.seq), 64):
+                idx.store(s.worker, s.seq[i : i + 64], parent=int(s.seq[i - 1]) if i else None)
+        used = rss_bytes() - before
+        entries_n = idx.stats()["entries"]
+        print(json.dumps({"used": used, "entries": entries_n, "estimated": idx.stats()["estimated_bytes"]}))
+        return
+    print(json.dumps({"used": used, "entries": entries_n}))
+
+
+def measure_memory(which: str, workers: int, entries: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", which, str(workers), str(entries)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def concurrency(idx: kvroute.KvIndex, queries: list[np.ndarray], writer_sessions: list[Session], seconds: float) -> dict:
+    """Match rate with 1 and 2 threads; match p99 idle and with a writer storing ~1M blocks/s."""
+
+    def run_matchers(n: int) -> float:
+        counts = [0] * n
+        stop = threading.Event()
+
+        def loop(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                idx.match(queries[i % len(queries)])
+                i += 1
+            counts[k] = i
+
+        ts = [threading.Thread(target=loop, args=(k,)) for k in range(n)]
+        for t in ts:
+            t.start()
+        time.sleep(seconds)  # a measurement window, not synchronisation
+        stop.set()
+        for t in ts:
+            t.join()
+        return sum(counts) / seconds
+
+    r1 = run_matchers(1)
+    r2 = run_matchers(2)
+    idle = time_calls(idx.match, queries, 5)
+    stop = threading.Event()
+    stored = [0]
+
+    def writer() -> None:  # paced to ~1M blocks/s in 64-block stores
+        w = 10_000
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            for s in writer_sessions:
+                for i in range(0, len(s.seq), 64):
+                    if stop.is_set():
+                        return
+                    idx.store(w, s.seq[i : i + 64], parent=int(s.seq[i - 1]) if i else None)
+                    stored[0] += len(s.seq[i : i + 64])
+                    ahead = stored[0] / 1e6 - (time.perf_counter() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            w += 1
+
+    wt = threading.Thread(target=writer)
+    t0 = time.perf_counter()
+    wt.start()
+    busy = time_calls(idx.match, queries, 5)
+    stop.set()
+    wt.join()
+    rate = stored[0] / (time.perf_counter() - t0)
+    return {"rate1": r1, "rate2": r2, "idle_p99": percentile(idle, 0.99), "busy_p99": percentile(busy, 0.99), "writer_rate": rate}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smaller workload (~200k entries) for a fast check")
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON")
+    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.memory_child:
+        memory_child(a.memory_child[0], int(a.memory_child[1]), int(a.memory_child[2]))
+        return
+    entries = 200_000 if a.quick else 1_000_000
+    dyn = dynamo_available()
+    rows: list[tuple[str, float, float | None, str]] = []  # (metric, ours, theirs, unit)
+    results: dict = {"entries": entries, "python": platform.python_version(), "dynamo": dyn}
+
+    def row(name: str, ours: float, theirs: float | None, unit: str) -> None:
+        rows.append((name, ours, theirs, unit))
+        results[name] = {"kvroute": ours, "dynamo": theirs, "unit": unit}
+
+    # Hashing: an 8192-token prompt, block 64.
+    toks = np.random.default_rng(1).integers(0, 2**17, size=8192, dtype=np.uint32)
+    tl = toks.tolist()
+    ours = statistics.median(time_calls(lambda t: kvroute.block_hashes(t, 64), [toks], 2000))
+    ours_list = statistics.median(time_calls(lambda t: kvroute.block_hashes(t, 64), [tl], 500))
+    theirs = statistics.median(time_calls(lambda t: dynamo_core.compute_block_hash_for_seq(t, 64), [tl], 500)) if dyn else None
+    row("block_hashes 8192 tok, uint32 array (us p50)", ours, theirs, "us")
+    row("block_hashes 8192 tok, list (us p50)", ours_list, theirs, "us")
+
+    for workers in (8, 64):
+        sessions = chat_workload(workers, entries)
+        for batch in (16, 64):
+            idx, dt, n = build_kvroute(sessions, batch)
+            ours = n / dt
+            theirs = None
+            if dyn:
+                tree, dt2, n2 = build_dynamo(sessions, batch)
+                theirs = n2 / dt2
+                del tree
+            row(f"W={workers} store, {batch}-block events (blocks/s)", ours, theirs, "blocks/s")
+        tree = build_dynamo(sessions, 64)[0] if dyn else None
+        for blocks in (128, 1024):
+            qs = long_sessions(sessions, blocks)[:300]
+            q_seq = [s.seq[:blocks] for s in qs]
+            q_loc = [s.local[:blocks].tolist() for s in qs]
+            assert all(len(idx.match(q)) >= 1 for q in q_seq)
+            if tree is not None:  # same answers before timing
+                for s, ql in zip(qs[:20], q_loc[:20]):
+                    assert dict(idx.match(s.seq[:blocks])) == dynamo_scores(tree, ql)
+            ours_t = time_calls(idx.match, q_seq, 5)
+            theirs_t = time_calls(tree.find_matches, q_loc, 5) if tree is not None else None
+            row(f"W={workers} match {blocks} blocks p50 (us)", statistics.median(ours_t), statistics.median(theirs_t) if theirs_t else None, "us")
+            row(f"W={workers} match {blocks} blocks p99 (us)", percentile(ours_t, 0.99), percentile(theirs_t, 0.99) if theirs_t else None, "us")
+        del tree
+        if workers == 64:
+            mo = measure_memory("kvroute", workers, entries)
+            md = measure_memory("dynamo", workers, entries) if dyn else None
+            row("W=64 memory, RSS bytes per (block, worker) entry", mo["used"] / mo["entries"], md["used"] / mo["entries"] if md else None, "B")
+            row("W=64 memory, kvroute's own estimate per entry", mo["estimated"] / mo["entries"], None, "B")
+            qs = [s.seq[:128] for s in long_sessions(sessions, 128)[:300]]
+            extra = chat_workload(4, 300_000, seed=9)
+            c = concurrency(idx, qs, extra, 1.5)
+            row("2-thread / 1-thread match rate (128 blocks)", c["rate2"] / c["rate1"], None, "x")
+            row("match p99 with writer / idle p99 (128 blocks)", c["busy_p99"] / c["idle_p99"], None, "x")
+            row("writer rate during that test (blocks/s)", c["writer_rate"], None, "blocks/s")
+        del idx
+
+    print(f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n")
+    w = max(len(r[0]) for r in rows)
+    print(f"{'metric':<{w}}  {'kvroute':>12}  {'dynamo':>12}  {'ratio':>8}")
+    for name, ours, theirs, unit in rows:
+        if theirs is None:
+            ratio = ""
+        elif unit == "blocks/s":
+            ratio = f"{ours / theirs:.1f}x"
+        else:
+            ratio = f"{theirs / ours:.1f}x"
+        fmt = (lambda v: f"{v / 1e6:.2f}M") if unit == "blocks/s" else (lambda v: f"{v:.2f}")
+        print(f"{name:<{w}}  {fmt(ours):>12}  {fmt(theirs) if theirs is not None else '-':>12}  {ratio:>8}")
+    print("\nratio: how many times better kvroute is (lower latency/memory, higher throughput)")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
