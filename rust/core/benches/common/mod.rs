@@ -10,7 +10,7 @@ pub struct Session {
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -18,13 +18,13 @@ impl Rng {
         z ^ (z >> 31)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 }
 
 pub fn chat_workload(workers: u64, target_entries: usize, seed: u64) -> Vec<Session> {
     let mut rng = Rng(seed);
-    let systems: Vec<Vec<u64>> = (0..300).map(|_| (0..32).map(|_| rng.next()).collect()).collect();
+    let systems: Vec<Vec<u64>> = (0..300).map(|_| (0..32).map(|_| rng.next_u64()).collect()).collect();
     let mut out = Vec::new();
     let mut entries = 0;
     while entries < target_entries {
@@ -32,7 +32,7 @@ pub fn chat_workload(workers: u64, target_entries: usize, seed: u64) -> Vec<Sess
         let worker = rng.below(workers);
         let extra = 96 + rng.below(972) as usize;
         let mut local = systems[p].clone();
-        local.extend((0..extra).map(|_| rng.next()));
+        local.extend((0..extra).map(|_| rng.next_u64()));
         let seq = kvroute_core::hash::chain_local_hashes(&local, kvroute_core::DEFAULT_SEED, None);
         entries += seq.len();
         out.push(Session { worker, seq });
