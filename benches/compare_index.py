@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kvroute  # noqa: E402
-from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree  # noqa: E402
-from workload import Session, chat_workload, long_sessions  # noqa: E402
+import kvroute
+from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree
+from workload import Session, chat_workload, long_sessions
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -110,7 +110,9 @@ def memory_child(which: str, workers: int, entries: int) -> None:
 
 
 def measure_memory(which: str, workers: int, entries: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--memory-child", which, str(workers), str(entries)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", which, str(workers), str(entries)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -217,13 +219,28 @@ def main() -> None:
                     assert dict(idx.match(s.seq[:blocks])) == dynamo_scores(tree, ql)
             ours_t = time_calls(idx.match, q_seq, 5)
             theirs_t = time_calls(tree.find_matches, q_loc, 5) if tree is not None else None
-            row(f"W={workers} match {blocks} blocks p50 (us)", statistics.median(ours_t), statistics.median(theirs_t) if theirs_t else None, "us")
-            row(f"W={workers} match {blocks} blocks p99 (us)", percentile(ours_t, 0.99), percentile(theirs_t, 0.99) if theirs_t else None, "us")
+            row(
+                f"W={workers} match {blocks} blocks p50 (us)",
+                statistics.median(ours_t),
+                statistics.median(theirs_t) if theirs_t else None,
+                "us",
+            )
+            row(
+                f"W={workers} match {blocks} blocks p99 (us)",
+                percentile(ours_t, 0.99),
+                percentile(theirs_t, 0.99) if theirs_t else None,
+                "us",
+            )
         del tree
         if workers == 64:
             mo = measure_memory("kvroute", workers, entries)
             md = measure_memory("dynamo", workers, entries) if dyn else None
-            row("W=64 memory, RSS bytes per (block, worker) entry", mo["used"] / mo["entries"], md["used"] / mo["entries"] if md else None, "B")
+            row(
+                "W=64 memory, RSS bytes per (block, worker) entry",
+                mo["used"] / mo["entries"],
+                md["used"] / mo["entries"] if md else None,
+                "B",
+            )
             row("W=64 memory, kvroute's own estimate per entry", mo["estimated"] / mo["entries"], None, "B")
             qs = [s.seq[:128] for s in long_sessions(sessions, 128)[:300]]
             extra = chat_workload(4, 300_000, seed=9)
@@ -233,7 +250,9 @@ def main() -> None:
             row("writer rate during that test (blocks/s)", c["writer_rate"], None, "blocks/s")
         del idx
 
-    print(f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n")
+    print(
+        f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n"
+    )
     w = max(len(r[0]) for r in rows)
     print(f"{'metric':<{w}}  {'kvroute':>12}  {'dynamo':>12}  {'ratio':>8}")
     for name, ours, theirs, unit in rows:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 import kvroute
+import numpy as np
 
 
 @dataclass
@@ -17,7 +16,9 @@ class Session:
     seq: np.ndarray  # chained sequence hashes (Dynamo's `block_hash`)
 
 
-def chat_workload(workers: int, target_entries: int = 1_000_000, prompts: int = 300, prompt_blocks: int = 32, seed: int = 0) -> list[Session]:
+def chat_workload(
+    workers: int, target_entries: int = 1_000_000, prompts: int = 300, prompt_blocks: int = 32, seed: int = 0
+) -> list[Session]:
     """Sessions of 128..1100 blocks (system prompt + turns), each cached on one worker, until
     about `target_entries` (block, worker) entries exist."""
     rng = np.random.default_rng(seed)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import kvroute
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import kvroute
 
 # Dynamo 1.6.1 `compute_block_hash_for_seq` (local) and its chained sequence hashes.
 LOCAL_0_16 = [15310707395893867146]

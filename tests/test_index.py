@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import kvroute
 import numpy as np
 import pytest
-
-import kvroute
 
 H = kvroute.block_hashes(list(range(64 * 8)), 64)  # 8 chained sequence hashes
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 
+import kvroute
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import kvroute
 from index_model import IndexModel
 
 TIERS = ["device", "host", "disk"]

@@ -7,7 +7,6 @@ import random
 import threading
 
 import kvroute
-
 from index_model import IndexModel
 
 

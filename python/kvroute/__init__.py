@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from kvroute._core import (
     NUM_SHARDS,
     IndexCapacityError,
-    KvrouteError,
     KvIndex,
+    KvrouteError,
     MatchResult,
     __version__,
     block_hashes,
@@ -31,10 +31,10 @@ TIERS = ("device", "host", "disk")
 
 __all__ = [
     "NUM_SHARDS",
-    "IndexCapacityError",
-    "KvrouteError",
     "TIERS",
+    "IndexCapacityError",
     "KvIndex",
+    "KvrouteError",
     "MatchResult",
     "__version__",
     "block_hashes",
