@@ -2,30 +2,37 @@
 //! `Router::route` for an untracked request (hashing, index match, scoring, load update).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::cell::Cell;
 
 use kvroute_core::router::{RouteRequest, Router, RouterConfig, WorkerSpec};
 use kvroute_core::{hash::sequence_hashes, Tier, DEFAULT_SEED};
 
 struct Counting;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+// Per thread, so the test harness's own threads do not count.
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static ALLOCS: Cell<usize> = const { Cell::new(0) };
+}
+
+fn count() {
+    let _ = COUNTING.try_with(|c| {
+        if c.get() {
+            let _ = ALLOCS.try_with(|a| a.set(a.get() + 1));
+        }
+    });
+}
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            ALLOCS.fetch_add(1, Relaxed);
-        }
+        count();
         unsafe { System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            ALLOCS.fetch_add(1, Relaxed);
-        }
+        count();
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -48,18 +55,18 @@ fn warm_route_does_not_allocate() {
         }
         let req = |t: f64| RouteRequest { tokens: Some(&prompt), now: Some(t), ..Default::default() };
         router.route(&req(0.0)).unwrap(); // warms the thread-local scratch
-        ALLOCS.store(0, Relaxed);
-        COUNTING.store(true, Relaxed);
+        ALLOCS.set(0);
+        COUNTING.set(true);
         for k in 1..100 {
             let d = router.route(&req(k as f64)).unwrap();
             assert!(d.admitted);
         }
-        COUNTING.store(false, Relaxed);
-        assert_eq!(ALLOCS.load(Relaxed), 0, "{policy}: route allocated");
+        COUNTING.set(false);
+        assert_eq!(ALLOCS.get(), 0, "{policy}: route allocated");
         // The counter does count: `explain` builds a per-worker list.
-        COUNTING.store(true, Relaxed);
+        COUNTING.set(true);
         router.route(&RouteRequest { explain: true, ..req(200.0) }).unwrap();
-        COUNTING.store(false, Relaxed);
-        assert!(ALLOCS.load(Relaxed) > 0);
+        COUNTING.set(false);
+        assert!(ALLOCS.get() > 0);
     }
 }
