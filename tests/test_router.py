@@ -444,3 +444,59 @@ def test_rejection_iff_no_worker_keeps_slo_and_state_untouched(ws, n_tokens, slo
         assert d.predicted_ttft <= slo
     else:
         assert [r.load(w, now=0.0) for w in r.workers()] == before
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["route", "prefill_done", "finished", "cancel"]), st.integers(0, 7), st.integers(1, 3000)), max_size=60
+    ),
+    pd=st.booleans(),
+)
+def test_lifecycle_counters_stay_consistent(ops, pd):
+    """Any sequence of lifecycle calls keeps the counters equal to a simple Python model, and
+    finishing everything returns every worker to zero load."""
+    r = Router(policy="slack")
+    if pd:
+        r.add_worker(0, role="prefill")
+        r.add_worker(1, role="prefill")
+        r.add_worker(2, role="decode")
+        r.add_worker(3, role="decode")
+    else:
+        for w in range(3):
+            r.add_worker(w)
+    live: dict[int, bool] = {}  # request id -> prefill still pending
+    now = 0.0
+    for op, rid, size in ops:
+        now += 0.01
+        if op == "route":
+            if rid in live:
+                with pytest.raises(ValueError, match="already in flight"):
+                    r.route(prompt(rid, size), now=now, request_id=rid)
+                continue
+            d = r.route(prompt(rid, size), now=now, request_id=rid, output_tokens=16)
+            if d.admitted:
+                live[rid] = True
+        elif rid not in live:
+            with pytest.raises(kvroute.UnknownRequestError):
+                getattr(r, op)(rid, now=now)
+        elif op == "prefill_done":
+            if live[rid]:
+                r.prefill_done(rid, now=now)
+                live[rid] = False
+            else:
+                with pytest.raises(ValueError, match="twice"):
+                    r.prefill_done(rid, now=now)
+        else:
+            getattr(r, op)(rid, now=now)
+            del live[rid]
+        loads = [r.load(w, now=now) for w in r.workers()]
+        assert r.num_in_flight == len(live)
+        assert sum(x["prefilling"] for x in loads) == sum(live.values())
+        assert sum(x["decoding"] for x in loads) == len(live)
+        assert all(x["queue_delay"] >= 0 for x in loads)
+    for rid in list(live):
+        r.finished(rid, now=now + 100)
+    for w in r.workers():
+        x = r.load(w, now=now + 100)
+        assert (x["in_flight"], x["prefilling"], x["prefill_tokens"], x["decoding"], x["decode_blocks"]) == (0, 0, 0, 0, 0)
