@@ -558,6 +558,9 @@ impl Router {
         };
 
         // Admit: advance the virtual-time queue and (if tracked) the in-flight counts.
+        if !pd {
+            predicted_tpot = st.workers[st.pos[&c.worker]].tpot_with_one_more(cfg.decode_step_s);
+        }
         let p_at = st.pos[&c.worker];
         let d_at = decode_at.unwrap_or(p_at);
         let shift_at = st.shifts[p_at];
@@ -587,9 +590,6 @@ impl Router {
                     prefill_pending: true,
                 },
             );
-        }
-        if !pd && predicted_tpot.is_none() {
-            predicted_tpot = st.workers[p_at].spec.decode_tokens_per_s.map(|r| cfg.decode_step_s + st.workers[p_at].batch() as f64 / r);
         }
         Ok(Decision {
             worker: c.worker,

@@ -330,6 +330,17 @@ fn hot_prefix_fetch_from() {
 }
 
 #[test]
+fn unified_tpot_prediction_counts_the_new_sequence() {
+    let r = Router::new(RouterConfig { policy: "ttft".into(), ..Default::default() }, None).unwrap();
+    r.add_worker(0, WorkerSpec { decode_tokens_per_s: Some(100.0), ..Default::default() }).unwrap();
+    let p = prompt(21, 64);
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(1), ..Default::default() }).unwrap();
+    assert_eq!(d.predicted_tpot, Some(0.01 + 1.0 / 100.0));
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(2), ..Default::default() }).unwrap();
+    assert_eq!(d.predicted_tpot, Some(0.01 + 2.0 / 100.0));
+}
+
+#[test]
 fn optimistic_insert_is_off_by_default() {
     let r = router("ttft", TieBreak::Lowest, 2);
     let p = prompt(20, 640);
