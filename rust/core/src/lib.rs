@@ -6,3 +6,4 @@ pub mod index;
 
 pub use hash::DEFAULT_SEED;
 pub use index::{IndexError, IndexStats, KvIndex, MatchScratch, Matches, Tier, TierMask, WorkerId, ANY_TIER};
+pub mod sim;
