@@ -131,8 +131,7 @@ def simulate(
         if i & 1023 == 0:
             bar.update(i)
     bar.close()
-    extra = {"rejected_by": misses_by_reason, "events_published": engines.events_published}
-    return summarize(
+    result = summarize(
         ttfts,
         requests=n,
         rejected=rejected,
@@ -145,8 +144,9 @@ def simulate(
         policy=policy,
         reject=reject,
         tie_break=tie_break,
-        extra=extra,
     )
+    result.extra.update(rejected_by=misses_by_reason, events_published=engines.events_published)
+    return result
 
 
 def with_cluster(cluster: ClusterConfig, **changes: Any) -> ClusterConfig:

@@ -30,7 +30,7 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(d.pop("extra"))
+        d.update({k: v for k, v in d.pop("extra").items() if not k.startswith("_")})
         return d
 
 
@@ -56,7 +56,7 @@ def summarize(
     if good is None:
         good = sum(x <= slo for x in ttfts)
     nan = float("nan")
-    return RunResult(
+    r = RunResult(
         requests=requests,
         hit_rate=hit_tokens / total_tokens if total_tokens else 0.0,
         ttft_p50=ttfts[n // 2] if n else nan,
@@ -65,3 +65,5 @@ def summarize(
         rejected=rejected / requests,
         **labels,
     )
+    r.extra["_ttfts"] = ttfts
+    return r
