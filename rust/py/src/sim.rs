@@ -13,6 +13,7 @@ use crate::index::PyKvIndex;
 fn sim_err(e: SimError) -> PyErr {
     match e {
         SimError::UnknownWorker(..) => PyIndexError::new_err(e.to_string()),
+        SimError::Index(ie) => crate::errors::index_err(ie),
         _ => PyValueError::new_err(e.to_string()),
     }
 }
@@ -161,7 +162,14 @@ impl PyPrefillEngines {
 
     /// Enqueues a prefill on engine `engine` at virtual time `now`; returns
     /// `(hit_blocks, hit_tokens, start, finish)`. `now` must not decrease between calls.
-    fn prefill(&mut self, py: Python<'_>, engine: usize, hashes: &Bound<'_, PyAny>, num_tokens: i64, now: f64) -> PyResult<(usize, usize, f64, f64)> {
+    fn prefill(
+        &mut self,
+        py: Python<'_>,
+        engine: usize,
+        hashes: &Bound<'_, PyAny>,
+        num_tokens: i64,
+        now: f64,
+    ) -> PyResult<(usize, usize, f64, f64)> {
         let hs = extract_hashes(hashes)?;
         let n = count(num_tokens, "num_tokens", 1)?;
         let s = hs.as_slice();
@@ -182,8 +190,8 @@ impl PyPrefillEngines {
     }
 
     /// Publishes every pending event.
-    fn flush(&mut self) {
-        self.inner.flush()
+    fn flush(&mut self) -> PyResult<()> {
+        self.inner.flush().map_err(sim_err)
     }
 
     /// Engine `engine`'s cached block hashes, least recently used first.
@@ -207,11 +215,19 @@ impl PyPrefillEngines {
 /// equal hashes mean equal ids at every position up to that block.
 #[pyfunction]
 #[pyo3(signature = (ids, offsets, *, seed = 1337))]
-pub fn chain_block_ids<'py>(py: Python<'py>, ids: &Bound<'py, PyAny>, offsets: &Bound<'py, PyAny>, seed: u64) -> PyResult<Bound<'py, PyArray1<u64>>> {
+pub fn chain_block_ids<'py>(
+    py: Python<'py>,
+    ids: &Bound<'py, PyAny>,
+    offsets: &Bound<'py, PyAny>,
+    seed: u64,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let ids = extract_hashes(ids)?;
     let offs = extract_hashes(offsets)?;
     let (ids, offs) = (ids.as_slice(), offs.as_slice());
-    if offs.first().copied().unwrap_or(0) != 0 || offs.last().copied().unwrap_or(0) != ids.len() as u64 || offs.windows(2).any(|w| w[0] > w[1]) {
+    if offs.first().copied().unwrap_or(0) != 0
+        || offs.last().copied().unwrap_or(0) != ids.len() as u64
+        || offs.windows(2).any(|w| w[0] > w[1])
+    {
         return Err(PyValueError::new_err(format!(
             "offsets must start at 0, never decrease and end at len(ids) = {}; got {} offsets",
             ids.len(),

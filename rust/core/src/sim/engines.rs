@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::index::{KvIndex, Tier, WorkerId, ANY_TIER};
+use crate::index::{IndexError, KvIndex, Tier, WorkerId, ANY_TIER};
 
 use super::lru::LruBlockCache;
 
@@ -16,6 +16,8 @@ pub enum SimError {
     TimeWentBackwards { now: f64, last: f64 },
     #[error("invalid simulator setting: {0}")]
     Invalid(String),
+    #[error("publishing a KV event failed: {0}")]
+    Index(#[from] IndexError),
 }
 
 enum Event {
@@ -148,39 +150,42 @@ impl PrefillEngines {
                 break;
             }
             let (_, ev) = self.pending.pop_front().expect("front exists");
-            self.apply(ev);
+            self.apply(ev)?;
         }
         Ok(())
     }
 
     /// Publishes every pending event now, whatever its due time.
-    pub fn flush(&mut self) {
+    pub fn flush(&mut self) -> Result<(), SimError> {
         while let Some((_, ev)) = self.pending.pop_front() {
-            self.apply(ev);
+            self.apply(ev)?;
         }
+        Ok(())
     }
 
-    fn apply(&mut self, ev: Event) {
-        let Some(index) = &self.index else { return };
+    fn apply(&mut self, ev: Event) -> Result<(), SimError> {
+        let Some(index) = &self.index else { return Ok(()) };
         self.events_published += 1;
         match ev {
             Event::Stored { worker, hashes, parent } => {
-                index.store(worker, &hashes, parent, Tier::Device);
+                index.store(worker, &hashes, parent, Tier::Device)?;
             }
             Event::Removed { worker, hashes } => {
                 index.remove(worker, &hashes, ANY_TIER);
             }
         }
+        Ok(())
     }
 
-    fn emit(&mut self, now: f64, ev: Event) {
+    fn emit(&mut self, now: f64, ev: Event) -> Result<(), SimError> {
         if self.index.is_none() {
-            return;
+            return Ok(());
         }
         if self.event_lag == 0.0 {
-            self.apply(ev);
+            self.apply(ev)
         } else {
             self.pending.push_back((now + self.event_lag, ev));
+            Ok(())
         }
     }
 
@@ -211,14 +216,13 @@ impl PrefillEngines {
             }
             let last = stored[end - 1];
             let parent = (first > 0).then(|| hashes[first - 1]);
-            self.emit(now, Event::Stored { worker, hashes: hashes[first..=last].to_vec(), parent });
+            self.emit(now, Event::Stored { worker, hashes: hashes[first..=last].to_vec(), parent })?;
             k = end;
         }
-        if !evicted.is_empty() {
-            self.emit(now, Event::Removed { worker, hashes: evicted.clone() });
-        }
+        let res = if evicted.is_empty() { Ok(()) } else { self.emit(now, Event::Removed { worker, hashes: evicted.clone() }) };
         self.stored = stored;
         self.evicted = evicted;
+        res?;
         Ok(Prefill { hit_blocks, hit_tokens, start, finish })
     }
 
@@ -229,7 +233,7 @@ impl PrefillEngines {
         let n = all.len();
         if n > 0 {
             let worker = self.ids[i];
-            self.emit(now, Event::Removed { worker, hashes: all });
+            self.emit(now, Event::Removed { worker, hashes: all })?;
         }
         Ok(n)
     }

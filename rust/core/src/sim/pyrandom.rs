@@ -107,7 +107,7 @@ impl PyRandom {
 
     /// `random.randrange(n)` (CPython's `_randbelow_with_getrandbits`), for `1 <= n <= 2**32`.
     pub fn randbelow(&mut self, n: u64) -> u64 {
-        assert!(n >= 1 && n <= 1 << 32, "randbelow needs 1 <= n <= 2**32, got {n}");
+        assert!((1..=1 << 32).contains(&n), "randbelow needs 1 <= n <= 2**32, got {n}");
         let k = 64 - n.leading_zeros();
         if k == 33 {
             // n == 2**32: getrandbits(33) takes two words, low word first.

@@ -42,7 +42,8 @@ pub fn seed_chat(rate: f64, seconds: f64, seed: u64, shape: &ChatShape) -> ChatW
     let mut rng = PyRandom::new(seed);
     let systems: Vec<Vec<u32>> =
         (0..shape.systems).map(|_| (0..shape.system_tokens).map(|_| rng.randbelow(shape.vocab) as u32).collect()).collect();
-    let mut convs: Vec<Vec<u32>> = (0..shape.conversations).map(|_| systems[rng.randbelow(shape.systems as u64) as usize].clone()).collect();
+    let mut convs: Vec<Vec<u32>> =
+        (0..shape.conversations).map(|_| systems[rng.randbelow(shape.systems as u64) as usize].clone()).collect();
     let mut w = ChatWorkload::default();
     let mut t = 0.0f64;
     while t < seconds {
