@@ -21,6 +21,15 @@ from kvroute._core import (
     block_hashes,
     local_block_hashes,
 )
+from kvroute._core import (
+    POLICIES,
+    Decision,
+    KvrouteError,
+    NoWorkersError,
+    Router,
+    UnknownRequestError,
+    UnknownWorkerError,
+)
 
 Mapping.register(MatchResult)
 
@@ -34,4 +43,11 @@ __all__ = [
     "__version__",
     "block_hashes",
     "local_block_hashes",
+    "POLICIES",
+    "Decision",
+    "KvrouteError",
+    "NoWorkersError",
+    "Router",
+    "UnknownRequestError",
+    "UnknownWorkerError",
 ]
