@@ -5,6 +5,7 @@ request by request in virtual time, with every routing decision made by a router
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,8 +50,10 @@ RouterFactory = Callable[..., Any]
 
 
 def make_router(index: KvIndex, workload: Workload, cluster: ClusterConfig, policy: str, reject: bool, tie_break: str, seed: int) -> Any:
-    """A `kvroute.Router` over `index` with the cluster's workers 0..n-1 registered."""
-    from kvroute import Router  # noqa: PLC0415  (the Router is optional while it is being built)
+    """A `kvroute.Router` over `index` (fed only by the engines' KV events) with the cluster's
+    workers 0..n-1 registered as unified workers at the cluster's prefill speed. The TTFT SLO is
+    always given (policies such as "slack" plan with it); ``reject`` turns on early rejection."""
+    from kvroute import Router
 
     router = Router(
         index=index,
@@ -62,7 +65,7 @@ def make_router(index: KvIndex, workload: Workload, cluster: ClusterConfig, poli
         reject=reject,
     )
     for w in range(cluster.instances):
-        router.add_worker(w, role="prefill", prefill_tokens_per_s=cluster.speed, kv_capacity_blocks=cluster.cache_blocks)
+        router.add_worker(w, prefill_tokens_per_s=float(cluster.speed))
     return router
 
 
@@ -77,6 +80,7 @@ def simulate(
     router_factory: RouterFactory = make_router,
     progress: bool | None = None,
     scenario: str | None = None,
+    python_random: bool = True,
 ) -> RunResult:
     """Replays `workload` on `cluster`, routing every request with the router `router_factory`
     builds, and returns the seed's metrics.
@@ -85,6 +89,10 @@ def simulate(
     (``finished``), engines publish the KV events due by then, the router decides, and the chosen
     engine enqueues the prefill of the prompt's uncached part (true cache state, not the index's).
     TTFT is the prefill's finish time minus the arrival; a rejected request counts as a miss.
+
+    "random" with ``python_random`` (the default) draws ``random.Random(seed).randrange(n)`` per
+    request, as the seed does, and hands the choice to the Router (``route(worker=...)``), which
+    still predicts, admits or rejects it; otherwise the Router's own generator picks.
     """
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed)
@@ -99,11 +107,15 @@ def simulate(
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
     offsets = workload.hash_offsets.tolist()
+    # Only full blocks are cached and indexed (a trace's id for a partial last block is dropped).
+    ends = [min(offsets[i + 1], offsets[i] + nt // workload.block_size) for i, nt in enumerate(num_tokens)]
     hashes = workload.hashes
     out_tokens = workload.output_tokens.tolist()
     n = len(arrival)
     bar = Progress(n, f"{workload.name} {policy}{' +reject' if reject else ''}", enabled=progress)
     route, prefill, finished = router.route, engines.prefill, router.finished
+    draw = random.Random(seed).randrange if policy == "random" and python_random else None
+    nw = cluster.instances
     lagged = cluster.event_lag > 0
     running: list[tuple[float, int]] = []
     ttfts: list[float] = []
@@ -116,9 +128,12 @@ def simulate(
             finished(rid, now=done_at)
         if lagged:
             engines.advance(t)
-        hs = hashes[offsets[i] : offsets[i + 1]]
+        hs = hashes[offsets[i] : ends[i]]
         nt = num_tokens[i]
-        d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i] or None)
+        if draw is None:
+            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i] or None)
+        else:
+            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i] or None, worker=draw(nw))
         if not d.admitted:
             rejected += 1
             misses_by_reason[d.reason] = misses_by_reason.get(d.reason, 0) + 1

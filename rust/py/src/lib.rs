@@ -4,6 +4,7 @@
 mod convert;
 mod errors;
 mod index;
+mod router;
 mod sim;
 
 use numpy::{IntoPyArray, PyArray1};
@@ -63,5 +64,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim::chain_block_ids, m)?)?;
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    router::register(m)?;
     Ok(())
 }
