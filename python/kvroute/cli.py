@@ -106,7 +106,13 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         slo=a.slo or 2.0,
         event_lag=a.event_lag,
     )
-    tie_break = a.tie_break or ("lowest" if scenario == "seed-chat" else "rotate")
+    seed_policies = {p for p, _ in SEED_ROWS}
+
+    def tie_for(policy: str) -> str:
+        # The seed's rows break ties by lowest index, as the seed's min()/max() do; ours rotate.
+        if a.tie_break:
+            return str(a.tie_break)
+        return "lowest" if scenario == "seed-chat" and policy in seed_policies else "rotate"
     known = _policies()
     if a.policy:
         names = known if "all" in a.policy else a.policy
@@ -147,7 +153,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     for w in workloads():
         block = []
         for policy, reject in rows:
-            r = simulate(w, policy, reject=reject, cluster=cluster, tie_break=tie_break, seed=a.router_seed, progress=progress)
+            r = simulate(w, policy, reject=reject, cluster=cluster, tie_break=tie_for(policy), seed=a.router_seed, progress=progress)
             if "speedup" in w.meta:
                 r.extra["speedup"] = w.meta["speedup"]
             block.append(r)
@@ -159,7 +165,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             title = (
                 f"== {w.name}: {what}, {len(w)} requests; {cluster.instances} prefill instances, "
                 f"cache {cluster.cache_blocks} x {w.block_size}-token blocks, {cluster.speed:g} tokens/s, "
-                f"TTFT SLO {cluster.slo:g} s, tie-break {tie_break}" + (f", event lag {cluster.event_lag:g} s" if cluster.event_lag else "")
+                f"TTFT SLO {cluster.slo:g} s" + (f", event lag {cluster.event_lag:g} s" if cluster.event_lag else "")
             )
             print(format_table(title, block), flush=True)
     if not a.json and len({r.rate for r in runs}) > 1:

@@ -49,10 +49,13 @@ SEED_CLUSTER = ClusterConfig()
 RouterFactory = Callable[..., Any]
 
 
-def make_router(index: KvIndex, workload: Workload, cluster: ClusterConfig, policy: str, reject: bool, tie_break: str, seed: int) -> Any:
+def make_router(
+    index: KvIndex, workload: Workload, cluster: ClusterConfig, policy: str, reject: bool, tie_break: str, seed: int, **options: Any
+) -> Any:
     """A `kvroute.Router` over `index` (fed only by the engines' KV events) with the cluster's
     workers 0..n-1 registered as unified workers at the cluster's prefill speed. The TTFT SLO is
-    always given (policies such as "slack" plan with it); ``reject`` turns on early rejection."""
+    always given (policies such as "slack" plan with it); ``reject`` turns on early rejection;
+    ``options`` are passed on to `kvroute.Router` (e.g. ``prefill_weight=3.0``)."""
     from kvroute import Router
 
     router = Router(
@@ -63,6 +66,7 @@ def make_router(index: KvIndex, workload: Workload, cluster: ClusterConfig, poli
         seed=seed,
         ttft_slo=cluster.slo,
         reject=reject,
+        **options,
     )
     for w in range(cluster.instances):
         router.add_worker(w, prefill_tokens_per_s=float(cluster.speed))
@@ -81,6 +85,7 @@ def simulate(
     progress: bool | None = None,
     scenario: str | None = None,
     python_random: bool = True,
+    router_options: dict[str, Any] | None = None,
 ) -> RunResult:
     """Replays `workload` on `cluster`, routing every request with the router `router_factory`
     builds, and returns the seed's metrics.
@@ -93,9 +98,10 @@ def simulate(
     "random" with ``python_random`` (the default) draws ``random.Random(seed).randrange(n)`` per
     request, as the seed does, and hands the choice to the Router (``route(worker=...)``), which
     still predicts, admits or rejects it; otherwise the Router's own generator picks.
+    ``router_options`` go to the factory (for `make_router`: extra `kvroute.Router` settings).
     """
     index = KvIndex()
-    router = router_factory(index, workload, cluster, policy, reject, tie_break, seed)
+    router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **(router_options or {}))
     engines = _core.PrefillEngines(
         list(range(cluster.instances)),
         capacity_blocks=cluster.cache_blocks,

@@ -33,7 +33,9 @@ class SeedRouter:
     ``random.Random(seed).randrange(n)`` once per request, as the seed does.
     """
 
-    def __init__(self, index: KvIndex, *, workers: int, speed: float, block_size: int, policy: str = "ttft", ttft_slo: float | None = None, seed: int = 1):
+    def __init__(
+        self, index: KvIndex, *, workers: int, speed: float, block_size: int, policy: str = "ttft", ttft_slo: float | None = None, seed: int = 1
+    ) -> None:
         if policy not in SEED_POLICIES:
             raise ValueError(f"unknown seed policy {policy!r}; expected one of {', '.join(SEED_POLICIES)}")
         if workers < 1:

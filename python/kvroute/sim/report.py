@@ -8,13 +8,13 @@ from kvroute.sim.metrics import RunResult
 
 __all__ = ["format_table", "plot_runs", "max_sustained_rate"]
 
-_HEAD = f"  {'policy':<16}{'reject':<8}{'hit rate':>9}{'TTFT p50':>11}{'TTFT p99':>11}{'attainment':>12}{'rejected':>10}"
+_HEAD = f"  {'policy':<16}{'reject':<8}{'hit rate':>9}{'TTFT p50':>11}{'TTFT p99':>11}{'attainment':>12}{'rejected':>10}  tie-break"
 
 
 def format_row(r: RunResult) -> str:
     return (
         f"  {r.policy:<16}{'yes' if r.reject else 'no':<8}{r.hit_rate:>9.1%}{r.ttft_p50:>9.2f} s{r.ttft_p99:>9.2f} s"
-        f"{r.attainment:>12.1%}{r.rejected:>10.1%}"
+        f"{r.attainment:>12.1%}{r.rejected:>10.1%}  {r.tie_break}"
     )
 
 
