@@ -18,9 +18,8 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import seed_reference  # noqa: E402
-
-from kvroute.sim import ClusterConfig, load_trace, seed_chat, simulate  # noqa: E402
+import seed_reference
+from kvroute.sim import ClusterConfig, load_trace, seed_chat, simulate
 
 SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
 SHARED = os.environ.get("KVROUTE_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
@@ -55,7 +54,7 @@ def test_seed_table_vs_seed_script():
         times.append(time.perf_counter() - t0)
     _same(ours, ref)
     med = statistics.median(times)
-    print(f"\nseed table (10 runs, 13,270 routed requests x 5 policies incl. workload generation):")
+    print("\nseed table (10 runs, 13,270 routed requests x 5 policies incl. workload generation):")
     print(f"  kvroute  median {med:.3f} s  (min {min(times):.3f}, max {max(times):.3f}, 5 runs)")
     print(f"  seed.py  {t_ref:.3f} s  (pure Python, 1 run)")
     print(f"  ratio    {t_ref / med:.1f}x  (target >= 10x)")

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from kvroute import planner as pl
 
 

@@ -3,10 +3,9 @@
 import random
 from collections import OrderedDict
 
+import kvroute
 import numpy as np
 import pytest
-
-import kvroute
 from kvroute import _core
 
 

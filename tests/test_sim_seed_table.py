@@ -7,7 +7,6 @@ The expected strings are the seed chapter's printed output (seeds/000), translat
 from __future__ import annotations
 
 import pytest
-
 from kvroute.sim import seed_chat, simulate
 
 # (rate, policy, reject) -> the seed's printed (hit rate, TTFT p50, TTFT p99, attainment, rejected)

@@ -5,7 +5,6 @@ import os
 
 import numpy as np
 import pytest
-
 from kvroute.sim import ClusterConfig, load_trace, records_to_workload, simulate, synthetic_trace, write_trace
 from kvroute.sim.trace import SHAPES, TraceFormatError
 

@@ -2,10 +2,9 @@
 
 import random
 
+import kvroute
 import numpy as np
 import pytest
-
-import kvroute
 from kvroute.sim import seed_chat
 
 

@@ -8,7 +8,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvroute.sim import Workload
 
 __all__ = ["main"]
 
@@ -41,26 +45,19 @@ def _rates(values: Sequence[str] | None) -> list[float] | None:
 
 
 def _policies() -> list[str]:
-    try:
-        from kvroute import POLICIES  # noqa: PLC0415
+    from kvroute import POLICIES
 
-        return list(POLICIES)
-    except ImportError:
-        from kvroute.sim.reference import SEED_POLICIES  # noqa: PLC0415
-
-        return list(SEED_POLICIES)
+    return list(POLICIES)
 
 
 def _default_policy() -> str:
-    try:
-        from kvroute import DEFAULT_POLICY  # noqa: PLC0415
+    """The policy a `kvroute.Router()` uses when none is named."""
+    from kvroute import Router
 
-        return str(DEFAULT_POLICY)
-    except ImportError:
-        return "ttft"
+    return str(Router().policy)
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate routing policies on a prefill cluster",
@@ -68,11 +65,15 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "with every request routed by kvroute.Router, and prints hit rate, TTFT p50/p99, SLO attainment. "
         "With no arguments: the seed chapter's experiment (40 and 70 req/s) plus the default policy's row.",
     )
-    p.add_argument("--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)")
+    p.add_argument(
+        "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
+    )
     p.add_argument("--trace", metavar="PATH", help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
     p.add_argument("--shape", default="chat", help="synthetic trace shape: chat, agent, docs (scenario synthetic)")
     p.add_argument("--requests", type=int, default=3000, help="synthetic trace length (default 3000)")
-    p.add_argument("--rate", action="append", metavar="R", help="req/s; repeatable, or a list '40,70' or range '40:90:10' (seed-chat/synthetic)")
+    p.add_argument(
+        "--rate", action="append", metavar="R", help="req/s; repeatable, or a list '40,70' or range '40:90:10' (seed-chat/synthetic)"
+    )
     p.add_argument("--speedup", action="append", metavar="X", help="trace arrival speed-up; repeatable or a list (trace; default 1)")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of seed-chat arrivals (default 120)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0, the seed chapter's)")
@@ -83,7 +84,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
-    p.add_argument("--tie-break", choices=("lowest", "rotate"), help="tie-break (default: lowest for seed-chat, as the seed; rotate otherwise)")
+    p.add_argument(
+        "--tie-break", choices=("lowest", "rotate"), help="tie-break (default: lowest for seed-chat, as the seed; rotate otherwise)"
+    )
     p.add_argument("--router-seed", type=int, default=1, help="seed of the router's random choices (default 1, the seed's Random(1))")
     p.add_argument("--json", action="store_true", help="one JSON object per run per line instead of tables")
     p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib: kvroute[plot])")
@@ -92,8 +95,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from kvroute.sim import ClusterConfig, load_trace, records_to_workload, seed_chat, simulate, synthetic_trace  # noqa: PLC0415
-    from kvroute.sim.report import format_table, max_sustained_rate, plot_runs  # noqa: PLC0415
+    from kvroute.sim import ClusterConfig, load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
+    from kvroute.sim.report import format_table, max_sustained_rate, plot_runs
 
     scenario = a.scenario or ("trace" if a.trace else "seed-chat")
     if scenario == "trace" and not a.trace:
@@ -113,6 +116,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         if a.tie_break:
             return str(a.tie_break)
         return "lowest" if scenario == "seed-chat" and policy in seed_policies else "rotate"
+
     known = _policies()
     if a.policy:
         names = known if "all" in a.policy else a.policy
@@ -131,7 +135,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         raise SystemExit(f"kvroute simulate: {e}") from None
     progress = False if a.no_progress or a.json else None
 
-    def workloads():
+    def workloads() -> Iterator[Workload]:
         if scenario == "seed-chat":
             for r in rates or [40.0, 70.0]:
                 yield seed_chat(r, a.duration, a.seed)
@@ -182,7 +186,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> None:
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan",
         help="xPyD sizing: static per-phase needs, or a dynamic schedule over time windows",
@@ -219,7 +223,7 @@ def _parse_split(s: str) -> tuple[int, int]:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from kvroute import planner as pl  # noqa: PLC0415
+    from kvroute import planner as pl
 
     static = _parse_split(a.static)
     if sum(static) != a.total:
@@ -234,15 +238,26 @@ def cmd_plan(a: argparse.Namespace) -> int:
         return 0
     try:
         cfg = pl.PlannerConfig(
-            total=a.total, p_cap=a.p_cap, d_cap=a.d_cap, window=a.window, warmup=a.warmup, drain=a.drain,
-            hysteresis=a.hysteresis, min_move=a.min_move, initial=static,
+            total=a.total,
+            p_cap=a.p_cap,
+            d_cap=a.d_cap,
+            window=a.window,
+            warmup=a.warmup,
+            drain=a.drain,
+            hysteresis=a.hysteresis,
+            min_move=a.min_move,
+            initial=static,
         )
         if a.trace:
-            from kvroute.sim import load_trace  # noqa: PLC0415
+            from kvroute.sim import load_trace
 
             windows = pl.phases_from_workload(load_trace(a.trace, speedup=a.speedup), a.window)
         else:
-            phases = pl.load_phases(a.phases) if a.phases else [pl.Phase(p.name, p.rate, p.isl, p.osl, p.hit, a.phase_duration) for p in pl.SEED_PHASES]
+            phases = (
+                pl.load_phases(a.phases)
+                if a.phases
+                else [pl.Phase(p.name, p.rate, p.isl, p.osl, p.hit, a.phase_duration) for p in pl.SEED_PHASES]
+            )
             windows = pl.expand_phases(phases, a.window, ramp=a.ramp)
     except (OSError, ValueError) as e:
         raise SystemExit(f"kvroute plan: {e}") from None
@@ -272,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return a.func(a)
+        return int(a.func(a))
     except BrokenPipeError:  # e.g. piped into head
         sys.stderr.close()
         return 0

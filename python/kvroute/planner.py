@@ -20,15 +20,15 @@ from typing import Any
 __all__ = [
     "SEED_PHASES",
     "Phase",
-    "expand_phases",
-    "loads",
     "PlanStep",
     "PlannerConfig",
-    "load_phases",
-    "need",
-    "plan_dynamic",
-    "phases_from_workload",
+    "expand_phases",
     "format_schedule",
+    "load_phases",
+    "loads",
+    "need",
+    "phases_from_workload",
+    "plan_dynamic",
     "plot_schedule",
     "seed_static_table",
     "static_rows",
@@ -107,7 +107,8 @@ def seed_static_table(
     lines = [f"Fixed {static[0]}P{static[1]}D vs sizing per phase ({total} instances in total):"]
     for r in static_rows(phases, static, total, p_cap=p_cap, d_cap=d_cap):
         verdict = "; ".join(
-            f"{side} load {x:.0%}" + (" (overloaded)" if x > 1 else "") for side, x in (("prefill", r["static_p_load"]), ("decode", r["static_d_load"]))
+            f"{side} load {x:.0%}" + (" (overloaded)" if x > 1 else "")
+            for side, x in (("prefill", r["static_p_load"]), ("decode", r["static_d_load"]))
         )
         enough = "fits" if r["fits"] else "does not fit"
         lines.append(f"  {r['phase']}: needs {r['need_p']}P{r['need_d']}D ({enough}); with the fixed split {verdict}")
@@ -144,7 +145,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.total < 2:
             raise ValueError(f"total must be >= 2 (one P and one D), got {self.total}")
-        if not (0 < self.headroom <= 1) or not (0 < self.hysteresis):
+        if not (0 < self.headroom <= 1) or not (self.hysteresis > 0):
             raise ValueError(f"headroom must be in (0, 1] and hysteresis > 0, got {self.headroom}, {self.hysteresis}")
         if self.window <= 0 or self.warmup < 0 or self.drain < 0:
             raise ValueError("window must be > 0 and warmup, drain >= 0 seconds")
@@ -199,7 +200,9 @@ def _best_split(ph: Phase, cfg: PlannerConfig) -> tuple[int, int]:
     return best
 
 
-def plan_dynamic(windows: Iterable[Phase], cfg: PlannerConfig = PlannerConfig(), *, static: tuple[int, int] | None = None) -> list[PlanStep]:
+def plan_dynamic(
+    windows: Iterable[Phase], cfg: PlannerConfig = PlannerConfig(), *, static: tuple[int, int] | None = None
+) -> list[PlanStep]:
     """Plans P/D per window, reactively: the split for window k is chosen from what was observed
     in window k-1 (the first window runs ``cfg.initial``), like a planner that reads metrics.
 
@@ -256,20 +259,24 @@ def expand_phases(phases: Sequence[Phase], window: float, *, ramp: float = 0.0) 
         n = max(1, round(ph.duration / window))
         for k in range(n):
             a = 1.0 if prev is None or ramp <= 0 else min(1.0, (k + 1) * window / ramp)
-            mix = ph if a >= 1.0 else Phase(
-                ph.name,
-                prev.rate + a * (ph.rate - prev.rate),
-                prev.isl + a * (ph.isl - prev.isl),
-                prev.osl + a * (ph.osl - prev.osl),
-                prev.hit + a * (ph.hit - prev.hit),
-                window,
+            mix = (
+                ph
+                if a >= 1.0 or prev is None
+                else Phase(
+                    ph.name,
+                    prev.rate + a * (ph.rate - prev.rate),
+                    prev.isl + a * (ph.isl - prev.isl),
+                    prev.osl + a * (ph.osl - prev.osl),
+                    prev.hit + a * (ph.hit - prev.hit),
+                    window,
+                )
             )
             out.append(Phase(mix.name, mix.rate, mix.isl, mix.osl, mix.hit, window))
         prev = ph
     return out
 
 
-def load_phases(path: str | os.PathLike) -> list[Phase]:
+def load_phases(path: str | os.PathLike[str]) -> list[Phase]:
     """Phases from JSON (a list of objects) or CSV with columns name, rate, isl, osl, hit[, duration]."""
     p = os.fspath(path)
     with open(p, encoding="utf-8") as f:
@@ -304,7 +311,7 @@ def load_phases(path: str | os.PathLike) -> list[Phase]:
 def phases_from_workload(workload: Any, window: float) -> list[Phase]:
     """Windows of a workload (e.g. a loaded trace): request rate, mean ISL/OSL, and the hit rate an
     infinite shared cache would see (blocks already seen earlier in the trace)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     if window <= 0:
         raise ValueError(f"window must be > 0 seconds, got {window}")
@@ -379,10 +386,10 @@ def format_schedule(steps: Sequence[PlanStep], cfg: PlannerConfig, static: tuple
 def plot_schedule(steps: Sequence[PlanStep], path: str) -> None:
     """P/D counts over time against need, and both sides' utilisation (planned vs fixed)."""
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError("--plot needs matplotlib: pip install 'kvroute[plot]'") from e
     t = [s.start / 3600 for s in steps]

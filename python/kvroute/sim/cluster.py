@@ -15,7 +15,7 @@ from kvroute.sim.metrics import RunResult, summarize
 from kvroute.sim.progress import Progress
 from kvroute.sim.workload import Workload
 
-__all__ = ["ClusterConfig", "SEED_CLUSTER", "make_router", "simulate"]
+__all__ = ["SEED_CLUSTER", "ClusterConfig", "make_router", "simulate"]
 
 
 @dataclass(frozen=True)

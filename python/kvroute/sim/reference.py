@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from kvroute import KvIndex
 
@@ -34,7 +35,15 @@ class SeedRouter:
     """
 
     def __init__(
-        self, index: KvIndex, *, workers: int, speed: float, block_size: int, policy: str = "ttft", ttft_slo: float | None = None, seed: int = 1
+        self,
+        index: KvIndex,
+        *,
+        workers: int,
+        speed: float,
+        block_size: int,
+        policy: str = "ttft",
+        ttft_slo: float | None = None,
+        seed: int = 1,
     ) -> None:
         if policy not in SEED_POLICIES:
             raise ValueError(f"unknown seed policy {policy!r}; expected one of {', '.join(SEED_POLICIES)}")
@@ -45,7 +54,16 @@ class SeedRouter:
         self.rng = random.Random(seed)
         self.busy = [0.0] * workers
 
-    def route(self, *, hashes, num_tokens: int, now: float, request_id=None, output_tokens=None) -> SeedDecision:
+    def route(
+        self,
+        *,
+        hashes: Any,
+        num_tokens: int,
+        now: float,
+        request_id: Any = None,
+        output_tokens: int | None = None,
+        worker: int | None = None,
+    ) -> SeedDecision:
         m = self.index.match(hashes)
         hit = [min(m.get(i, 0) * self.block_size, num_tokens) for i in range(self.n)]
         busy, t, speed = self.busy, now, self.speed
@@ -54,7 +72,9 @@ class SeedRouter:
             return max(busy[i] - t, 0) + (num_tokens - hit[i]) / speed
 
         r = range(self.n)
-        if self.policy == "random":
+        if worker is not None:
+            i = worker
+        elif self.policy == "random":
             i = self.rng.randrange(self.n)
         elif self.policy == "least_load":
             i = min(r, key=lambda j: busy[j])
@@ -68,5 +88,5 @@ class SeedRouter:
         busy[i] = max(busy[i], t) + (num_tokens - hit[i]) / speed
         return SeedDecision(i, True, hit[i] // self.block_size, pred, self.policy)
 
-    def finished(self, request_id, now=None) -> None:
+    def finished(self, request_id: Any, now: float | None = None) -> None:
         """The seed's queue needs no completion signal; kept for the Router's interface."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvroute.sim.metrics import RunResult
 
-__all__ = ["format_table", "plot_runs", "max_sustained_rate"]
+__all__ = ["format_table", "max_sustained_rate", "plot_runs"]
 
 _HEAD = f"  {'policy':<16}{'reject':<8}{'hit rate':>9}{'TTFT p50':>11}{'TTFT p99':>11}{'attainment':>12}{'rejected':>10}  tie-break"
 
@@ -43,10 +43,10 @@ def max_sustained_rate(runs: Sequence[RunResult], target: float = 0.99) -> dict[
 def plot_runs(runs: Sequence[RunResult], path: str, *, title: str = "") -> None:
     """TTFT CDFs per policy (at each rate) and, for sweeps, attainment vs rate."""
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError("--plot needs matplotlib: pip install 'kvroute[plot]'") from e
     rates = sorted({r.rate for r in runs if r.rate is not None})

@@ -45,7 +45,9 @@ def _check_record(rec: Any, where: str) -> tuple[float, int, int, list[int]]:
     return float(ts), n, out, ids
 
 
-def records_to_workload(records: Iterable[dict], *, name: str = "trace", block_size: int = MOONCAKE_BLOCK, speedup: float = 1.0) -> Workload:
+def records_to_workload(
+    records: Iterable[dict[str, Any]], *, name: str = "trace", block_size: int = MOONCAKE_BLOCK, speedup: float = 1.0
+) -> Workload:
     """Builds a `Workload` from Mooncake-format records (already parsed JSON objects).
 
     Arrivals are ``timestamp / 1000 / speedup`` seconds; ``hash_ids`` are chained into sequence
@@ -92,7 +94,7 @@ def records_to_workload(records: Iterable[dict], *, name: str = "trace", block_s
     )
 
 
-def _read_lines(path: str | os.PathLike) -> Iterator[dict]:
+def _read_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -103,12 +105,14 @@ def _read_lines(path: str | os.PathLike) -> Iterator[dict]:
                 raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
-def load_trace(path: str | os.PathLike, *, speedup: float = 1.0, limit: int | None = None, block_size: int = MOONCAKE_BLOCK) -> Workload:
+def load_trace(
+    path: str | os.PathLike[str], *, speedup: float = 1.0, limit: int | None = None, block_size: int = MOONCAKE_BLOCK
+) -> Workload:
     """Loads a Mooncake-format JSONL trace (e.g. ``mooncake_conversation_trace.jsonl``).
 
     ``speedup`` > 1 compresses arrival times (more load); ``limit`` keeps the first requests.
     """
-    recs: Iterable[dict] = _read_lines(path)
+    recs: Iterable[dict[str, Any]] = _read_lines(path)
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
@@ -119,7 +123,7 @@ def load_trace(path: str | os.PathLike, *, speedup: float = 1.0, limit: int | No
     return w
 
 
-def write_trace(records: Iterable[dict], path: str | os.PathLike) -> int:
+def write_trace(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> int:
     """Writes records as Mooncake-format JSONL; returns the number written."""
     n = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -134,16 +138,45 @@ def write_trace(records: Iterable[dict], path: str | os.PathLike) -> int:
 #: Built-in synthetic shapes: name -> (description, parameters).
 SHAPES: dict[str, dict[str, Any]] = {
     # Multi-turn chat like the seed's, in 512-token blocks: shared system prompts, short turns.
-    "chat": dict(prefixes=20, prefix_tokens=2048, sessions=400, turn_tokens=(150, 450), output=(50, 400), doc_tokens=(0, 0), burst=0.0, max_tokens=16384),
+    "chat": dict(
+        prefixes=20,
+        prefix_tokens=2048,
+        sessions=400,
+        turn_tokens=(150, 450),
+        output=(50, 400),
+        doc_tokens=(0, 0),
+        burst=0.0,
+        max_tokens=16384,
+    ),
     # Agents: few very long tool/system prefixes, sessions whose context grows fast, long outputs,
     # turns of a session arriving in quick bursts.
-    "agent": dict(prefixes=4, prefix_tokens=8192, sessions=64, turn_tokens=(500, 3000), output=(200, 1500), doc_tokens=(0, 0), burst=0.6, max_tokens=65536),
+    "agent": dict(
+        prefixes=4,
+        prefix_tokens=8192,
+        sessions=64,
+        turn_tokens=(500, 3000),
+        output=(200, 1500),
+        doc_tokens=(0, 0),
+        burst=0.6,
+        max_tokens=65536,
+    ),
     # Long documents (Zipf-popular) with short questions: long prompts, little cross-session reuse.
-    "docs": dict(prefixes=2, prefix_tokens=512, sessions=1500, turn_tokens=(50, 200), output=(100, 400), doc_tokens=(8000, 32000), burst=0.0, max_tokens=40000),
+    "docs": dict(
+        prefixes=2,
+        prefix_tokens=512,
+        sessions=1500,
+        turn_tokens=(50, 200),
+        output=(100, 400),
+        doc_tokens=(8000, 32000),
+        burst=0.0,
+        max_tokens=40000,
+    ),
 }
 
 
-def synthetic_trace(shape: str = "chat", *, requests: int = 2000, rate: float = 10.0, seed: int = 0, block_size: int = MOONCAKE_BLOCK) -> list[dict]:
+def synthetic_trace(
+    shape: str = "chat", *, requests: int = 2000, rate: float = 10.0, seed: int = 0, block_size: int = MOONCAKE_BLOCK
+) -> list[dict[str, Any]]:
     """Generates a trace in the Mooncake format with the given ``shape`` (see `SHAPES`).
 
     Sessions start from one of a few shared prefixes (plus, for "docs", their own document) and
@@ -169,7 +202,7 @@ def synthetic_trace(shape: str = "chat", *, requests: int = 2000, rate: float = 
     prefixes = [[fresh() for _ in range(prefix_blocks)] for _ in range(p["prefixes"])]
     sessions: list[tuple[list[int], int]] = []  # (full-block ids, tokens)
     starts: list[tuple[list[int], int]] = []
-    for s in range(p["sessions"]):
+    for _ in range(p["sessions"]):
         base = list(prefixes[rng.randrange(len(prefixes))])
         tokens = prefix_blocks * block_size
         lo, hi = p["doc_tokens"]
@@ -203,7 +236,5 @@ def synthetic_trace(shape: str = "chat", *, requests: int = 2000, rate: float = 
             ids.append(fresh())
         sessions[s] = (ids, tokens)
         hash_ids = list(ids) + ([fresh()] if tokens % block_size else [])
-        out.append(
-            {"timestamp": int(t * 1000), "input_length": tokens, "output_length": rng.randint(*p["output"]), "hash_ids": hash_ids}
-        )
+        out.append({"timestamp": int(t * 1000), "input_length": tokens, "output_length": rng.randint(*p["output"]), "hash_ids": hash_ids})
     return out
