@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvroute.sim import Workload
+    from kvroute.sim import ClusterConfig, Workload
 
 __all__ = ["main"]
 
@@ -81,6 +81,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--cache-blocks", type=int, help="LRU cache per instance in blocks (default 3000 of 64 tokens; 1000 of 512 for traces)")
     p.add_argument("--speed", type=float, help="prefill tokens/s per instance (default 20000)")
     p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default 2.0)")
+    p.add_argument("--decode-instances", type=int, default=0, help="PD mode: decode instances (default 0: prefill-only, as the seed)")
+    p.add_argument("--decode-kv-blocks", type=int, default=20000, help="KV blocks per decode instance (default 20000)")
+    p.add_argument(
+        "--decode-speed", type=float, default=2000.0, help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)"
+    )
+    p.add_argument("--tpot-slo", type=float, help="TPOT SLO in seconds (PD mode; default none)")
     p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
@@ -94,21 +100,37 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=cmd_simulate)
 
 
+def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
+    from kvroute.sim import ClusterConfig
+
+    def pick(v: float | None, default: float) -> float:
+        return default if v is None else v
+
+    return ClusterConfig(
+        instances=int(pick(a.instances, 8)),
+        cache_blocks=int(pick(a.cache_blocks, 1000 if trace_like else 3000)),
+        speed=pick(a.speed, 20000.0),
+        slo=pick(a.slo, 2.0),
+        event_lag=a.event_lag,
+        decode_instances=a.decode_instances,
+        decode_kv_blocks=a.decode_kv_blocks,
+        decode_tokens_per_s=a.decode_speed,
+        tpot_slo=a.tpot_slo,
+    )
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from kvroute.sim import ClusterConfig, load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
+    from kvroute.sim import load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
     from kvroute.sim.report import format_table, max_sustained_rate, plot_runs
 
     scenario = a.scenario or ("trace" if a.trace else "seed-chat")
     if scenario == "trace" and not a.trace:
         raise SystemExit(f"kvroute simulate: --scenario trace needs --trace PATH (e.g. {TRACE_DEFAULT})")
     trace_like = scenario != "seed-chat"
-    cluster = ClusterConfig(
-        instances=a.instances or 8,
-        cache_blocks=a.cache_blocks if a.cache_blocks is not None else (1000 if trace_like else 3000),
-        speed=a.speed or 20000.0,
-        slo=a.slo or 2.0,
-        event_lag=a.event_lag,
-    )
+    try:
+        cluster = _cluster(a, trace_like)
+    except ValueError as e:
+        raise SystemExit(f"kvroute simulate: {e}") from None
     seed_policies = {p for p, _ in SEED_ROWS}
 
     def tie_for(policy: str) -> str:
@@ -169,7 +191,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             title = (
                 f"== {w.name}: {what}, {len(w)} requests; {cluster.instances} prefill instances, "
                 f"cache {cluster.cache_blocks} x {w.block_size}-token blocks, {cluster.speed:g} tokens/s, "
-                f"TTFT SLO {cluster.slo:g} s" + (f", event lag {cluster.event_lag:g} s" if cluster.event_lag else "")
+                f"TTFT SLO {cluster.slo:g} s"
+                + (f", event lag {cluster.event_lag:g} s" if cluster.event_lag else "")
+                + (
+                    f"; {cluster.decode_instances} decode instances, {cluster.decode_kv_blocks} KV blocks, {cluster.decode_tokens_per_s:g} tokens/s"
+                    + (f", TPOT SLO {cluster.tpot_slo:g} s" if cluster.tpot_slo else "")
+                    if cluster.decode_instances
+                    else ""
+                )
             )
             print(format_table(title, block), flush=True)
     if not a.json and len({r.rate for r in runs}) > 1:
