@@ -1,21 +1,26 @@
 //! Python -> Rust argument conversion: token ids and hashes from lists or numpy arrays,
 //! borrowed without copying when the array already has the right dtype and is contiguous.
 
-use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyString};
 
 /// A slice that is either borrowed from a numpy array or owned.
 pub enum Ids<'py, T: numpy::Element> {
-    Borrowed(PyReadonlyArray1<'py, T>),
+    /// A contiguous array of the right dtype, read in place.
+    Borrowed(Bound<'py, PyArray1<T>>),
     Owned(Vec<T>),
 }
 
 impl<T: numpy::Element> Ids<'_, T> {
     pub fn as_slice(&self) -> &[T] {
         match self {
-            Ids::Borrowed(a) => a.as_slice().expect("checked contiguous"),
+            // SAFETY: the array is contiguous (checked when built) and kept alive by the Bound.
+            // We skip rust-numpy's borrow registry (it costs more than a short match) and only
+            // read. As with any C extension reading a numpy buffer without the GIL, the caller
+            // must not mutate the array from another thread during the call.
+            Ids::Borrowed(a) => unsafe { a.as_slice().expect("checked contiguous") },
             Ids::Owned(v) => v,
         }
     }
@@ -39,11 +44,11 @@ where
         }
         let dtype = arr.dtype();
         if dtype.is_equiv_to(&numpy::dtype::<T>(obj.py())) {
-            let a = obj.cast::<PyArray1<T>>()?.readonly();
-            if a.as_slice().is_ok() {
-                return Ok(Ids::Borrowed(a));
+            let a = obj.cast::<PyArray1<T>>()?;
+            if a.is_contiguous() {
+                return Ok(Ids::Borrowed(a.clone()));
             }
-            return Ok(Ids::Owned(a.as_array().iter().copied().collect()));
+            return Ok(Ids::Owned(a.readonly().as_array().iter().copied().collect()));
         }
         let kind = dtype.kind();
         if kind != b'i' && kind != b'u' {

@@ -14,6 +14,7 @@
 mod dump;
 mod holders;
 mod shard;
+mod slab;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -289,10 +290,9 @@ impl KvIndex {
         let mut guess = u32::MAX;
         let mut full = false;
         for &h in hashes {
-            let found = if prev < FREE { g.find_child(h, prev, guess) } else { None };
-            let (i, fresh) = match found {
-                Some(i) => (i, false),
-                None => match g.find_or_create(h, prev, tick) {
+            let (i, fresh) = match g.is_guess(h, prev, guess) {
+                true => (guess, false),
+                false => match g.find_or_create(h, prev, tick) {
                     Some(x) => x,
                     None => {
                         full = true;
