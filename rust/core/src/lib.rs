@@ -1,8 +1,10 @@
-//! kvroute-core: block hashing and the concurrent KV prefix index behind kvroute's router.
+//! kvroute-core: block hashing, the concurrent KV prefix index, and the router on top of them.
 //! Pure Rust (no Python), so it can be tested, benchmarked and fuzzed on its own.
 
 pub mod hash;
 pub mod index;
+pub mod router;
 
 pub use hash::DEFAULT_SEED;
 pub use index::{IndexError, IndexStats, KvIndex, MatchScratch, Matches, Tier, TierMask, WorkerId, ANY_TIER};
+pub use router::{Decision, RouteRequest, Router, RouterConfig, RouterError};

@@ -1,0 +1,203 @@
+//! The Router's configuration: policy choice and its parameters, SLOs, the PD-mode cost model.
+//! Validated once at construction so the hot path never re-checks it.
+
+use super::RouterError;
+
+/// How remaining ties between equally scored workers are broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TieBreak {
+    /// Lower load first (queueing delay, then in-flight requests), then rotate among the rest,
+    /// so equal scores never pile onto one worker.
+    Rotate,
+    /// The lowest worker id, as the seed's `min(range(N), key=...)` does.
+    Lowest,
+}
+
+impl TieBreak {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "rotate" => Some(TieBreak::Rotate),
+            "lowest" => Some(TieBreak::Lowest),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TieBreak::Rotate => "rotate",
+            TieBreak::Lowest => "lowest",
+        }
+    }
+}
+
+/// A worker's part in serving: unified (prefill and decode), prefill-only or decode-only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "both" => Some(Role::Both),
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+/// Everything a Router is configured with; `Default` gives the documented defaults.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// Tokens per KV block (the engines' block size).
+    pub block_size: usize,
+    /// Seed of the block hashes (Dynamo's default 1337).
+    pub hash_seed: u64,
+    /// Policy name; see `policy::POLICIES`.
+    pub policy: String,
+    pub tie_break: TieBreak,
+    /// Seed of the random choices ("random", "cost" with a temperature).
+    pub seed: u64,
+    /// TTFT target in seconds; with `reject`, requests predicted to miss it are turned away.
+    pub ttft_slo: Option<f64>,
+    /// TPOT target in seconds; decode workers predicted to miss it are not chosen.
+    pub tpot_slo: Option<f64>,
+    /// Early rejection: a request predicted to miss an SLO (or with no decode room) is not admitted.
+    pub reject: bool,
+    /// "cache_aware": route to the best-overlap worker when matched tokens / prompt tokens exceed this.
+    pub cache_threshold: f64,
+    /// "cache_aware": the load gap (in-flight requests) beyond which the system counts as imbalanced ...
+    pub balance_abs_threshold: f64,
+    /// ... when also max_load > this * min_load.
+    pub balance_rel_threshold: f64,
+    /// "cost": weight of the prefill blocks against decode blocks (Dynamo's `prefill_load_scale`).
+    pub prefill_load_scale: f64,
+    /// "cost": softmax temperature over normalised costs; 0 takes the minimum.
+    pub temperature: f64,
+    /// "slack" (the default policy): weight of the queueing delay a worker would impose.
+    pub queue_weight: f64,
+    /// "slack": weight of the uncached prefill time (the compute the choice spends, which every
+    /// later request on that worker waits for).
+    pub prefill_weight: f64,
+    /// "slack": fraction of the TTFT SLO held back as a safety margin when judging feasibility.
+    pub slo_margin: f64,
+    /// A decode worker has room when used + need * (1 + headroom) <= capacity.
+    pub kv_headroom: f64,
+    /// Decode step time at batch size 0; TPOT(b) = decode_step_s + b / decode_tokens_per_s.
+    pub decode_step_s: f64,
+    /// KV cache bytes per token (for PD transfer time and prefix fetches).
+    pub kv_bytes_per_token: f64,
+    /// KV transfer link bandwidth, bytes per second.
+    pub link_bytes_per_s: f64,
+    /// KV transfer latency per transfer, seconds.
+    pub link_latency_s: f64,
+    /// PD mode: prompts with at most this many uncached tokens prefill on their decode worker (0: off).
+    pub local_prefill_max_tokens: u64,
+    /// PD mode, conditional disaggregation: when the best disaggregated prefill would queue longer
+    /// than this many seconds (the prefill pool is the bottleneck) and prefilling on the decode
+    /// worker reaches the first token sooner, do that. None: off.
+    pub prefill_busy_queue_s: Option<f64>,
+    /// Record the routed prefix in the index at once (approximate mode, without KV events).
+    pub optimistic_insert: bool,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            block_size: 64,
+            hash_seed: crate::hash::DEFAULT_SEED,
+            policy: "slack".to_string(),
+            tie_break: TieBreak::Rotate,
+            seed: 0,
+            ttft_slo: None,
+            tpot_slo: None,
+            reject: true,
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64.0,
+            balance_rel_threshold: 1.5,
+            prefill_load_scale: 1.0,
+            temperature: 0.0,
+            queue_weight: 1.0,
+            prefill_weight: 2.0,
+            slo_margin: 0.0,
+            kv_headroom: 0.2,
+            decode_step_s: 0.01,
+            // Llama-3-70B-like: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
+            kv_bytes_per_token: 327_680.0,
+            // 200 Gb/s RDMA, 1 ms setup (seed 003's estimate).
+            link_bytes_per_s: 25e9,
+            link_latency_s: 0.001,
+            local_prefill_max_tokens: 0,
+            prefill_busy_queue_s: None,
+            optimistic_insert: false,
+        }
+    }
+}
+
+fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), RouterError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(RouterError::InvalidConfig(msg()))
+    }
+}
+
+fn finite_nonneg(name: &str, v: f64) -> Result<(), RouterError> {
+    check(v.is_finite() && v >= 0.0, || format!("{name} must be a finite number >= 0, got {v}"))
+}
+
+impl RouterConfig {
+    pub fn validate(&self) -> Result<(), RouterError> {
+        check(self.block_size >= 1, || format!("block_size must be >= 1, got {}", self.block_size))?;
+        check(super::policy::POLICIES.contains(&self.policy.as_str()), || {
+            format!("unknown policy {:?}; expected one of {}", self.policy, super::policy::POLICIES.join(", "))
+        })?;
+        for (name, slo) in [("ttft_slo", self.ttft_slo), ("tpot_slo", self.tpot_slo)] {
+            if let Some(v) = slo {
+                check(v.is_finite() && v > 0.0, || format!("{name} must be a finite number > 0 seconds, got {v}"))?;
+            }
+        }
+        check((0.0..=1.0).contains(&self.cache_threshold), || format!("cache_threshold must be in [0, 1], got {}", self.cache_threshold))?;
+        finite_nonneg("balance_abs_threshold", self.balance_abs_threshold)?;
+        finite_nonneg("balance_rel_threshold", self.balance_rel_threshold)?;
+        finite_nonneg("prefill_load_scale", self.prefill_load_scale)?;
+        finite_nonneg("temperature", self.temperature)?;
+        finite_nonneg("queue_weight", self.queue_weight)?;
+        finite_nonneg("prefill_weight", self.prefill_weight)?;
+        check((0.0..1.0).contains(&self.slo_margin), || format!("slo_margin must be in [0, 1), got {}", self.slo_margin))?;
+        finite_nonneg("kv_headroom", self.kv_headroom)?;
+        finite_nonneg("decode_step_s", self.decode_step_s)?;
+        finite_nonneg("kv_bytes_per_token", self.kv_bytes_per_token)?;
+        check(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0, || {
+            format!("link_bytes_per_s must be a finite number > 0, got {}", self.link_bytes_per_s)
+        })?;
+        finite_nonneg("link_latency_s", self.link_latency_s)?;
+        if let Some(q) = self.prefill_busy_queue_s {
+            finite_nonneg("prefill_busy_queue_s", q)?;
+        }
+        Ok(())
+    }
+
+    /// Seconds to move `tokens` tokens of KV cache over the link (0 tokens: nothing to move).
+    pub fn transfer_time(&self, tokens: u64) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        tokens as f64 * self.kv_bytes_per_token / self.link_bytes_per_s + self.link_latency_s
+    }
+}

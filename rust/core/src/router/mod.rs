@@ -1,0 +1,658 @@
+//! The Router: picks the worker (and in PD mode the decode worker) for each request from prefix
+//! overlap in the `KvIndex` and its own per-worker load model, and keeps that model up to date.
+//!
+//! Concurrency. Hashing and the index match run outside any router lock on thread-local scratch
+//! (the expensive part; many threads in parallel); scoring and the load update happen under one
+//! short mutex over O(workers) state, so concurrent routes see each other's queue growth.
+
+pub mod config;
+pub mod decision;
+pub mod decode;
+pub mod load;
+pub mod policy;
+
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::Instant;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+
+use crate::index::{KvIndex, MatchScratch, Matches, Tier, WorkerId, ANY_TIER};
+pub use config::{Role, RouterConfig, TieBreak};
+pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
+use decode::{choose_decode, DecodeChoice};
+pub use load::{InFlight, Observed, WorkerLoad, WorkerSpec};
+use policy::{make_policy, pick_min, Ctx, Policy, Rng};
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RouterError {
+    #[error("no workers to route to: {0}")]
+    NoWorkers(String),
+    #[error("unknown worker {0}: register it with add_worker first")]
+    UnknownWorker(WorkerId),
+    #[error("worker {0} is already registered; remove_worker it first to change its role or speeds")]
+    DuplicateWorker(WorkerId),
+    #[error("unknown request {0}: never routed with this request_id, or already finished or cancelled")]
+    UnknownRequest(u64),
+    #[error("request {0} is already in flight; request ids must be unique until finished or cancelled")]
+    DuplicateRequest(u64),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("invalid router config: {0}")]
+    InvalidConfig(String),
+}
+
+/// One routing request. Give `tokens`, or `hashes` (sequence hashes of the full blocks) with
+/// `num_tokens` (the prompt length, since a partial last block is prefill work without a hash).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RouteRequest<'a> {
+    pub tokens: Option<&'a [u32]>,
+    pub hashes: Option<&'a [u64]>,
+    pub num_tokens: Option<u64>,
+    /// Seconds on the caller's clock; None: seconds since the router was created.
+    pub now: Option<f64>,
+    /// Track the request for `prefill_done` / `finished` / `cancel`; untracked requests only
+    /// advance the virtual-time queue.
+    pub request_id: Option<u64>,
+    /// Expected output tokens (KV reserved on the decode side).
+    pub output_tokens: Option<u64>,
+    pub explain: bool,
+    /// Route to this worker (a session pin, or a caller's own choice); load and SLO checks still apply.
+    pub pin: Option<WorkerId>,
+}
+
+struct State {
+    /// Sorted by id: id order is the tie-break order and the seed's index order.
+    workers: Vec<WorkerLoad>,
+    pos: HashMap<WorkerId, usize>,
+    requests: HashMap<u64, InFlight>,
+    /// Per-worker cumulative correction applied by `prefill_done`, see `InFlight::shift_at`.
+    shifts: Vec<f64>,
+    cands: Vec<Candidate>,
+    overlaps: Vec<u32>,
+    rotation: u64,
+    rr: u64,
+    rng: Rng,
+}
+
+#[derive(Default)]
+struct Scratch {
+    hashes: Vec<u64>,
+    match_scratch: MatchScratch,
+    matches: Matches,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+pub struct Router {
+    cfg: RouterConfig,
+    policy: Box<dyn Policy>,
+    index: Arc<KvIndex>,
+    state: Mutex<State>,
+    epoch: Instant,
+}
+
+fn check_time(now: f64, what: &str) -> Result<f64, RouterError> {
+    if now.is_finite() && now >= 0.0 {
+        Ok(now)
+    } else {
+        Err(RouterError::InvalidArgument(format!("{what} must be a finite number of seconds >= 0, got {now}")))
+    }
+}
+
+impl Router {
+    /// A router over `index` (shared with whatever feeds it KV events), or a fresh index.
+    pub fn new(cfg: RouterConfig, index: Option<Arc<KvIndex>>) -> Result<Self, RouterError> {
+        cfg.validate()?;
+        let policy = make_policy(&cfg).ok_or_else(|| RouterError::InvalidConfig(format!("unknown policy {:?}", cfg.policy)))?;
+        let rng = Rng::new(cfg.seed);
+        Ok(Router {
+            policy,
+            index: index.unwrap_or_else(|| Arc::new(KvIndex::new(None))),
+            state: Mutex::new(State {
+                workers: Vec::new(),
+                pos: HashMap::new(),
+                requests: HashMap::new(),
+                shifts: Vec::new(),
+                cands: Vec::new(),
+                overlaps: Vec::new(),
+                rotation: 0,
+                rr: 0,
+                rng,
+            }),
+            epoch: Instant::now(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Seconds since the router was created (the default clock).
+    pub fn clock(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
+    }
+
+    fn now(&self, now: Option<f64>) -> Result<f64, RouterError> {
+        match now {
+            Some(t) => check_time(t, "now"),
+            None => Ok(self.clock()),
+        }
+    }
+
+    // ---- workers ---------------------------------------------------------------------
+
+    pub fn add_worker(&self, id: WorkerId, spec: WorkerSpec) -> Result<(), RouterError> {
+        let sp = spec.prefill_tokens_per_s;
+        if !(sp.is_finite() && sp > 0.0) {
+            return Err(RouterError::InvalidArgument(format!("prefill_tokens_per_s must be a finite number > 0, got {sp}")));
+        }
+        if let Some(d) = spec.decode_tokens_per_s {
+            if !(d.is_finite() && d > 0.0) {
+                return Err(RouterError::InvalidArgument(format!("decode_tokens_per_s must be a finite number > 0 or None, got {d}")));
+            }
+        }
+        let mut st = self.state.lock();
+        if st.pos.contains_key(&id) {
+            return Err(RouterError::DuplicateWorker(id));
+        }
+        let at = st.workers.partition_point(|w| w.id < id);
+        st.workers.insert(at, WorkerLoad::new(id, spec));
+        st.shifts.insert(at, 0.0);
+        Self::reindex(&mut st);
+        Ok(())
+    }
+
+    /// Stops routing to `id`. Its in-flight requests can still be finished or cancelled (their
+    /// bookkeeping on it is dropped); the index is left alone (it may be shared and event-fed).
+    pub fn remove_worker(&self, id: WorkerId) -> Result<(), RouterError> {
+        let mut st = self.state.lock();
+        let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
+        st.workers.remove(at);
+        st.shifts.remove(at);
+        Self::reindex(&mut st);
+        Ok(())
+    }
+
+    fn reindex(st: &mut State) {
+        let State { workers, pos, .. } = st;
+        pos.clear();
+        pos.extend(workers.iter().enumerate().map(|(i, w)| (w.id, i)));
+    }
+
+    /// Registered worker ids, ascending.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.state.lock().workers.iter().map(|w| w.id).collect()
+    }
+
+    /// A snapshot of one worker's load.
+    pub fn load(&self, id: WorkerId) -> Result<WorkerLoad, RouterError> {
+        let st = self.state.lock();
+        let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
+        Ok(st.workers[at].clone())
+    }
+
+    /// Number of tracked in-flight requests.
+    pub fn num_in_flight(&self) -> usize {
+        self.state.lock().requests.len()
+    }
+
+    /// Folds in engine-reported metrics; `queue_delay` (seconds of queued prefill the engine
+    /// reports) resets the virtual-time queue to `now + queue_delay`.
+    pub fn observe(&self, id: WorkerId, observed: Observed, queue_delay: Option<f64>, now: Option<f64>) -> Result<(), RouterError> {
+        if let Some(u) = observed.kv_usage {
+            if !(0.0..=1.0).contains(&u) {
+                return Err(RouterError::InvalidArgument(format!("kv_usage must be a fraction in [0, 1], got {u}")));
+            }
+        }
+        let qd = queue_delay.map(|q| check_time(q, "queue_delay")).transpose()?;
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
+        let w = &mut st.workers[at];
+        let o = &mut w.observed;
+        o.waiting = observed.waiting.or(o.waiting);
+        o.running = observed.running.or(o.running);
+        o.kv_usage = observed.kv_usage.or(o.kv_usage);
+        if let Some(q) = qd {
+            w.busy_until = now + q;
+        }
+        Ok(())
+    }
+
+    // ---- lifecycle -------------------------------------------------------------------
+
+    /// The request's prefill finished at `now`. The worker's virtual queue is corrected by how far
+    /// the prediction was off (FIFO: later requests there move by the same amount).
+    pub fn prefill_done(&self, request_id: u64, now: Option<f64>) -> Result<(), RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        let rec = *st.requests.get(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
+        if !rec.prefill_pending {
+            return Err(RouterError::InvalidArgument(format!("prefill_done called twice for request {request_id}")));
+        }
+        Self::finish_prefill(&mut st, &rec, now);
+        st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
+        Ok(())
+    }
+
+    fn finish_prefill(st: &mut State, rec: &InFlight, now: f64) {
+        let Some(&at) = st.pos.get(&rec.prefill_worker) else { return };
+        let shift = st.shifts[at];
+        let w = &mut st.workers[at];
+        w.prefilling = w.prefilling.saturating_sub(1);
+        w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
+        if rec.prefill_worker != rec.decode_worker {
+            w.active = w.active.saturating_sub(1);
+        }
+        if w.prefilling == 0 {
+            w.busy_until = now;
+        } else {
+            let expected = rec.done_at + (shift - rec.shift_at);
+            let delta = now - expected;
+            w.busy_until = (w.busy_until + delta).max(now);
+            st.shifts[at] = shift + delta;
+        }
+    }
+
+    fn release_decode(st: &mut State, rec: &InFlight) {
+        let Some(&at) = st.pos.get(&rec.decode_worker) else { return };
+        let w = &mut st.workers[at];
+        w.active = w.active.saturating_sub(1);
+        w.decoding = w.decoding.saturating_sub(1);
+        w.decode_blocks = w.decode_blocks.saturating_sub(rec.kv_blocks);
+    }
+
+    /// The request completed (its KV is released); finishes its prefill too if still pending.
+    pub fn finished(&self, request_id: u64, now: Option<f64>) -> Result<(), RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
+        if rec.prefill_pending {
+            Self::finish_prefill(&mut st, &rec, now);
+        }
+        Self::release_decode(&mut st, &rec);
+        Ok(())
+    }
+
+    /// The request was abandoned: a still-queued prefill is taken out of the virtual queue.
+    pub fn cancel(&self, request_id: u64, now: Option<f64>) -> Result<(), RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
+        if rec.prefill_pending {
+            if let Some(&at) = st.pos.get(&rec.prefill_worker) {
+                let w = &mut st.workers[at];
+                w.prefilling = w.prefilling.saturating_sub(1);
+                w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
+                if rec.prefill_worker != rec.decode_worker {
+                    w.active = w.active.saturating_sub(1);
+                }
+                w.busy_until = (w.busy_until - rec.work).max(now.min(w.busy_until));
+            }
+        }
+        Self::release_decode(&mut st, &rec);
+        Ok(())
+    }
+
+    // ---- routing ---------------------------------------------------------------------
+
+    /// Routes one request. Rejections (`admitted == false`) leave all load state untouched.
+    pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouterError> {
+        let now = self.now(req.now)?;
+        let bs = self.cfg.block_size;
+        let num_tokens = match (req.tokens, req.hashes) {
+            (Some(_), Some(_)) => return Err(RouterError::InvalidArgument("give tokens or hashes, not both".into())),
+            (None, None) => return Err(RouterError::InvalidArgument("give the prompt as tokens, or as hashes with num_tokens".into())),
+            (Some(t), None) => {
+                if let Some(n) = req.num_tokens {
+                    if n != t.len() as u64 {
+                        return Err(RouterError::InvalidArgument(format!("num_tokens = {n} but {} tokens were given", t.len())));
+                    }
+                }
+                t.len() as u64
+            }
+            (None, Some(h)) => {
+                let full = h.len() as u64 * bs as u64;
+                let n = req.num_tokens.unwrap_or(full);
+                if n < full || n >= full + bs as u64 {
+                    return Err(RouterError::InvalidArgument(format!(
+                        "num_tokens = {n} does not fit {} hashes of {bs}-token blocks: expected {full}..={}",
+                        h.len(),
+                        full + bs as u64 - 1
+                    )));
+                }
+                n
+            }
+        };
+        if num_tokens == 0 {
+            return Err(RouterError::InvalidArgument("empty prompt: a request needs at least one token".into()));
+        }
+        SCRATCH.with_borrow_mut(|s| {
+            let Scratch { hashes, match_scratch, matches } = s;
+            let hs: &[u64] = match req.tokens {
+                Some(t) => {
+                    hashes.clear();
+                    crate::hash::extend_sequence_hashes(hashes, t, bs, self.cfg.hash_seed, None);
+                    hashes
+                }
+                None => req.hashes.expect("checked"),
+            };
+            self.index.match_into(hs, ANY_TIER, match_scratch, matches);
+            let d = self.decide(now, num_tokens, req, matches)?;
+            if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
+                self.index.store(d.worker, hs, None, Tier::Device);
+                if let Some(dw) = d.decode_worker {
+                    if dw != d.worker {
+                        self.index.store(dw, hs, None, Tier::Device);
+                    }
+                }
+            }
+            Ok(d)
+        })
+    }
+
+    fn candidate(&self, w: &WorkerLoad, overlap: u32, now: f64, num_tokens: u64, transfer_time: f64) -> Candidate {
+        let cached = (overlap as u64 * self.cfg.block_size as u64).min(num_tokens);
+        let uncached = num_tokens - cached;
+        let queue_delay = w.queue_delay(now);
+        let prefill_time = w.prefill_time(uncached);
+        Candidate {
+            worker: w.id,
+            overlap_blocks: overlap,
+            uncached_tokens: uncached,
+            busy_until: w.busy_until,
+            queue_delay,
+            prefill_time,
+            transfer_time,
+            // The seed's ttft(i): max(busy - t, 0) + (len - hit) / SPEED, in that order.
+            predicted_ttft: queue_delay + prefill_time + transfer_time,
+            in_flight: w.in_flight(),
+            prefill_tokens: w.prefill_tokens,
+            decode_blocks: w.decode_blocks,
+            score: 0.0,
+        }
+    }
+
+    fn decide(&self, now: f64, num_tokens: u64, req: &RouteRequest<'_>, matches: &Matches) -> Result<Decision, RouterError> {
+        let cfg = &self.cfg;
+        let bs = cfg.block_size as u64;
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        if st.workers.is_empty() {
+            return Err(RouterError::NoWorkers("none registered (call add_worker)".into()));
+        }
+        if let Some(id) = req.request_id {
+            if st.requests.contains_key(&id) {
+                return Err(RouterError::DuplicateRequest(id));
+            }
+        }
+        let pinned = match req.pin {
+            Some(p) => Some(*st.pos.get(&p).ok_or(RouterError::UnknownWorker(p))?),
+            None => None,
+        };
+        st.overlaps.clear();
+        st.overlaps.resize(st.workers.len(), 0);
+        for (w, &d) in matches.workers.iter().zip(&matches.depths) {
+            if let Some(&at) = st.pos.get(w) {
+                st.overlaps[at] = d;
+            }
+        }
+        let kv_need = (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs);
+        let pd = st.workers.iter().any(|w| w.spec.role == Role::Decode);
+        let uncached_on = |st: &State, at: usize| num_tokens - (st.overlaps[at] as u64 * bs).min(num_tokens);
+
+        // Decode side first: nothing is spent on a request that cannot be decoded.
+        let mut decode_at: Option<usize> = None;
+        let mut predicted_tpot = None;
+        let mut decode_reject: Option<(Reason, usize)> = None;
+        if pd {
+            let choice = choose_decode(&st.workers, |w| w.spec.role.decodes(), kv_need, cfg, cfg.tie_break, &mut st.rotation)
+                .ok_or_else(|| RouterError::NoWorkers("no decode workers".into()))?;
+            match choice {
+                DecodeChoice::Chosen(i, t) => {
+                    decode_at = Some(i);
+                    predicted_tpot = t;
+                }
+                DecodeChoice::TpotMiss(i, t) => {
+                    decode_at = Some(i);
+                    predicted_tpot = t;
+                    decode_reject = Some((Reason::RejectedTpot, i));
+                }
+                DecodeChoice::NoRoom(i) => {
+                    decode_at = Some(i);
+                    predicted_tpot = st.workers[i].tpot_with_one_more(cfg.decode_step_s);
+                    decode_reject = Some((Reason::RejectedDecode, i));
+                }
+            }
+        }
+
+        // Prefill candidates. Unified mode: the decode-side test applies to each candidate.
+        st.cands.clear();
+        let mut decode_filtered = 0usize;
+        let mut decode_miss_reason = Reason::RejectedDecode;
+        for at in 0..st.workers.len() {
+            if pinned.is_some_and(|p| p != at) {
+                continue;
+            }
+            let w = &st.workers[at];
+            if !w.spec.role.prefills() {
+                if pinned.is_some() {
+                    return Err(RouterError::InvalidArgument(format!("worker {} is decode-only and cannot prefill", w.id)));
+                }
+                continue;
+            }
+            if !pd && cfg.reject && !decode::admissible(w, kv_need, cfg) {
+                decode_filtered += 1;
+                if w.kv_fits(kv_need, cfg.kv_headroom) {
+                    decode_miss_reason = Reason::RejectedTpot;
+                }
+                continue;
+            }
+            let transfer = match decode_at {
+                Some(d) if d != at => {
+                    let d_cached = (st.overlaps[d] as u64 * bs).min(num_tokens);
+                    cfg.transfer_time(num_tokens - d_cached)
+                }
+                _ => 0.0,
+            };
+            let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer);
+            st.cands.push(c);
+        }
+        if st.cands.is_empty() && decode_filtered == 0 {
+            return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
+        }
+        if !pd && st.cands.is_empty() {
+            // Unified mode, every worker lacks KV room or would miss the TPOT SLO.
+            let at = pinned.unwrap_or_else(|| (0..st.workers.len()).max_by_key(|&i| st.workers[i].kv_free()).expect("non-empty"));
+            let c = self.candidate(&st.workers[at], st.overlaps[at], now, num_tokens, 0.0);
+            predicted_tpot = st.workers[at].tpot_with_one_more(cfg.decode_step_s);
+            return Ok(self.rejection(c, None, decode_miss_reason, predicted_tpot, num_tokens, req, &st.cands));
+        }
+        if let (true, Some((reason, d))) = (cfg.reject, decode_reject) {
+            let c = st.cands[0];
+            return Ok(self.rejection(c, Some(st.workers[d].id), reason, predicted_tpot, num_tokens, req, &st.cands));
+        }
+
+        // Conditional disaggregation, short prompts: prefill where the decode happens.
+        let mut path = if pd { Path::Disaggregated } else { Path::Unified };
+        let mut chosen: Option<(Candidate, Reason)> = None;
+        if let (Some(d), true) = (decode_at, pd && cfg.local_prefill_max_tokens > 0 && pinned.is_none()) {
+            if uncached_on(st, d) <= cfg.local_prefill_max_tokens {
+                let c = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0);
+                if !cfg.reject || keeps_slo(cfg.ttft_slo, c.predicted_ttft) {
+                    chosen = Some((c, Reason::ShortPrompt));
+                    path = Path::Local;
+                }
+            }
+        }
+
+        let mut fetch_from = None;
+        let (c, reason) = match chosen {
+            Some(x) => x,
+            None => {
+                let State { cands, rotation, rr, rng, .. } = st;
+                let mut ctx =
+                    Ctx { tie_break: cfg.tie_break, rotation, rr, rng, num_tokens, block_size: cfg.block_size, ttft_slo: cfg.ttft_slo };
+                let (mut i, mut reason) = match pinned {
+                    Some(_) => (0, Reason::Pinned),
+                    None => self.policy.choose(&mut ctx, cands),
+                };
+                // Early rejection: the policy's choice misses the SLO -> the fastest worker, if any keeps it.
+                if let (true, Some(slo)) = (cfg.reject, cfg.ttft_slo) {
+                    if cands[i].predicted_ttft > slo {
+                        let best = pick_min(&mut ctx, cands, |_| true, |c| (c.predicted_ttft, 0.0)).expect("non-empty");
+                        if cands[best].predicted_ttft > slo {
+                            let c = cands[best];
+                            let dw = decode_at.map(|d| st.workers[d].id);
+                            return Ok(self.rejection(c, dw, Reason::RejectedTtft, predicted_tpot, num_tokens, req, &st.cands));
+                        }
+                        i = best;
+                        reason = Reason::SloFallback;
+                    }
+                }
+                let c = cands[i];
+                fetch_from = self.hot_prefix_holder(cands, &c, num_tokens, &st.workers, &st.pos);
+                // Conditional disaggregation, busy prefill pool: the decode worker is sooner.
+                let busy = cfg.prefill_busy_queue_s.is_some_and(|q| c.queue_delay > q);
+                if let (Some(d), true) = (decode_at, pd && busy && pinned.is_none()) {
+                    let local = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0);
+                    if local.predicted_ttft < c.predicted_ttft {
+                        path = Path::Local;
+                        fetch_from = None;
+                        (local, Reason::PrefillPoolBusy)
+                    } else {
+                        (c, reason)
+                    }
+                } else {
+                    (c, reason)
+                }
+            }
+        };
+
+        // Admit: advance the virtual-time queue and (if tracked) the in-flight counts.
+        let p_at = st.pos[&c.worker];
+        let d_at = decode_at.unwrap_or(p_at);
+        let shift_at = st.shifts[p_at];
+        let pw = &mut st.workers[p_at];
+        let done_at = pw.enqueue_prefill(now, c.prefill_time);
+        let busy_until = pw.busy_until;
+        if let Some(id) = req.request_id {
+            pw.prefilling += 1;
+            pw.prefill_tokens += c.uncached_tokens;
+            pw.active += 1;
+            let dw = &mut st.workers[d_at];
+            if d_at != p_at {
+                dw.active += 1;
+            }
+            dw.decoding += 1;
+            dw.decode_blocks += kv_need;
+            st.requests.insert(
+                id,
+                InFlight {
+                    prefill_worker: c.worker,
+                    decode_worker: st.workers[d_at].id,
+                    uncached_tokens: c.uncached_tokens,
+                    work: c.prefill_time,
+                    done_at,
+                    shift_at,
+                    kv_blocks: kv_need,
+                    prefill_pending: true,
+                },
+            );
+        }
+        if !pd && predicted_tpot.is_none() {
+            predicted_tpot = st.workers[p_at].spec.decode_tokens_per_s.map(|r| cfg.decode_step_s + st.workers[p_at].batch() as f64 / r);
+        }
+        Ok(Decision {
+            worker: c.worker,
+            decode_worker: decode_at.map(|d| st.workers[d].id),
+            overlap_blocks: c.overlap_blocks,
+            num_tokens,
+            uncached_tokens: c.uncached_tokens,
+            queue_delay: c.queue_delay,
+            predicted_ttft: c.predicted_ttft,
+            predicted_tpot,
+            busy_until,
+            admitted: true,
+            reason,
+            path,
+            fetch_from,
+            request_id: req.request_id,
+            explain: req.explain.then(|| st.cands.iter().map(WorkerBreakdown::from).collect()),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rejection(
+        &self,
+        c: Candidate,
+        decode_worker: Option<WorkerId>,
+        reason: Reason,
+        predicted_tpot: Option<f64>,
+        num_tokens: u64,
+        req: &RouteRequest<'_>,
+        cands: &[Candidate],
+    ) -> Decision {
+        Decision {
+            worker: c.worker,
+            decode_worker,
+            overlap_blocks: c.overlap_blocks,
+            num_tokens,
+            uncached_tokens: c.uncached_tokens,
+            queue_delay: c.queue_delay,
+            predicted_ttft: c.predicted_ttft,
+            predicted_tpot,
+            busy_until: c.busy_until,
+            admitted: false,
+            reason,
+            path: if decode_worker.is_some() { Path::Disaggregated } else { Path::Unified },
+            fetch_from: None,
+            request_id: req.request_id,
+            explain: req.explain.then(|| cands.iter().map(WorkerBreakdown::from).collect()),
+        }
+    }
+
+    /// Hot-prefix relief (Mooncake's cache load balancing): the worker holding the longest prefix,
+    /// when `chosen` holds less and pulling the difference is cheaper than recomputing it.
+    fn hot_prefix_holder(
+        &self,
+        cands: &[Candidate],
+        chosen: &Candidate,
+        num_tokens: u64,
+        workers: &[WorkerLoad],
+        pos: &HashMap<WorkerId, usize>,
+    ) -> Option<WorkerId> {
+        if self.cfg.kv_bytes_per_token <= 0.0 {
+            return None;
+        }
+        let holder = cands
+            .iter()
+            .filter(|c| c.overlap_blocks > chosen.overlap_blocks)
+            .max_by_key(|c| (c.overlap_blocks, std::cmp::Reverse(c.worker)))?;
+        let bs = self.cfg.block_size as u64;
+        let extra = (holder.overlap_blocks as u64 * bs).min(num_tokens) - (chosen.overlap_blocks as u64 * bs).min(num_tokens);
+        let recompute = workers[pos[&chosen.worker]].prefill_time(extra);
+        (self.cfg.transfer_time(extra) < recompute).then_some(holder.worker)
+    }
+}
+
+/// No SLO, or `v` keeps it.
+fn keeps_slo(slo: Option<f64>, v: f64) -> bool {
+    slo.map_or(true, |s| v <= s)
+}

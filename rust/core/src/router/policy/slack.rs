@@ -1,0 +1,37 @@
+//! "slack" (the default): among workers predicted to keep the TTFT SLO, the one whose choice costs
+//! least = queue_weight * queueing delay + prefill_weight * (uncached prefill + transfer time).
+//!
+//! Why: "ttft" minimises this request's wait only, so under load it buys a few ms by recomputing a
+//! whole cached conversation on an idle worker; that compute delays every later request there and
+//! lowers the hit rate exactly when capacity is scarce. Charging the prefill time more than the
+//! queueing delay (prefill_weight > queue_weight) prices in the delay the choice imposes on later
+//! requests, while the SLO constraint keeps cache affinity from building hot spots: a worker whose
+//! queue would break the SLO is not eligible however good its overlap. When no worker keeps the
+//! SLO (or none is set) it degrades to the same cost over all workers; the router's SLO check then
+//! falls back to minimum TTFT or rejects.
+
+use super::{pick_min, Ctx, Policy};
+use crate::router::decision::{Candidate, Reason};
+
+pub struct Slack {
+    pub queue_weight: f64,
+    pub prefill_weight: f64,
+    pub slo_margin: f64,
+}
+
+impl Policy for Slack {
+    fn name(&self) -> &'static str {
+        "slack"
+    }
+    fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
+        for c in cands.iter_mut() {
+            c.score = self.queue_weight * c.queue_delay + self.prefill_weight * (c.prefill_time + c.transfer_time);
+        }
+        let limit = ctx.ttft_slo.map_or(f64::INFINITY, |s| s * (1.0 - self.slo_margin));
+        let key = |c: &Candidate| (c.score, c.predicted_ttft);
+        if let Some(i) = pick_min(ctx, cands, |c| c.predicted_ttft <= limit, key) {
+            return (i, Reason::Slack);
+        }
+        (pick_min(ctx, cands, |_| true, key).expect("non-empty"), Reason::Slack)
+    }
+}

@@ -1,0 +1,372 @@
+use super::*;
+use crate::hash::sequence_hashes;
+
+fn router(policy: &str, tie: TieBreak, n: u64) -> Router {
+    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    for w in 0..n {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    r
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(seed)).collect()
+}
+
+fn route(r: &Router, toks: &[u32], now: f64) -> Decision {
+    r.route(&RouteRequest { tokens: Some(toks), now: Some(now), ..Default::default() }).unwrap()
+}
+
+fn store(r: &Router, w: WorkerId, toks: &[u32]) {
+    r.index().store(w, &sequence_hashes(toks, 64, crate::DEFAULT_SEED, None), None, Tier::Device);
+}
+
+#[test]
+fn virtual_time_matches_seed_arithmetic() {
+    // The seed: ttft = max(busy - t, 0) + (len - hit) / SPEED; busy = max(busy, t) + work.
+    let r = router("ttft", TieBreak::Lowest, 2);
+    let a = prompt(1, 2048 + 300);
+    store(&r, 1, &a[..2048]);
+    let d = route(&r, &a, 0.5);
+    assert_eq!(d.worker, 1);
+    assert_eq!(d.overlap_blocks, 32);
+    assert_eq!(d.predicted_ttft, 300.0 / 20000.0);
+    assert_eq!(d.busy_until, 0.5 + 300.0 / 20000.0);
+    let d2 = route(&r, &a, 0.51);
+    // Worker 1: queue 0.005 + 300 tokens; worker 0: 2348 tokens from scratch.
+    let busy = 0.5 + 300.0 / 20000.0;
+    assert_eq!(d2.worker, 1);
+    assert_eq!(d2.predicted_ttft, (busy - 0.51f64).max(0.0) + 300.0 / 20000.0);
+    assert_eq!(d2.busy_until, busy.max(0.51) + 300.0 / 20000.0);
+}
+
+#[test]
+fn least_load_compares_raw_busy_until() {
+    let r = router("least_load", TieBreak::Lowest, 3);
+    let p = prompt(2, 640);
+    assert_eq!(route(&r, &p, 0.0).worker, 0); // all 0.0: lowest id
+    assert_eq!(route(&r, &p, 0.0).worker, 1);
+    assert_eq!(route(&r, &p, 0.0).worker, 2);
+    // At t=10 all are idle; the one idle longest (smallest busy_until) wins: worker 0.
+    assert_eq!(route(&r, &p, 10.0).worker, 0);
+}
+
+#[test]
+fn cache_only_prefers_overlap_then_shorter_queue() {
+    let r = router("cache_only", TieBreak::Lowest, 3);
+    let p = prompt(3, 1024);
+    store(&r, 1, &p[..512]);
+    store(&r, 2, &p[..512]);
+    let d = route(&r, &p, 0.0);
+    assert_eq!((d.worker, d.overlap_blocks, d.reason), (1, 8, Reason::Cache));
+    // Worker 1 is now busier; worker 2 has the same overlap.
+    assert_eq!(route(&r, &p, 0.0).worker, 2);
+}
+
+#[test]
+fn cache_aware_balance_thresholds() {
+    // Loads are in-flight requests; make worker 0 carry `k` tracked requests.
+    let run = |k: u64, abs: f64, rel: f64| {
+        let cfg =
+            RouterConfig { policy: "cache_aware".into(), balance_abs_threshold: abs, balance_rel_threshold: rel, ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        r.add_worker(0, WorkerSpec::default()).unwrap();
+        r.add_worker(1, WorkerSpec::default()).unwrap();
+        let p = prompt(4, 640);
+        store(&r, 0, &p);
+        for id in 0..k {
+            r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(id), pin: Some(0), ..Default::default() }).unwrap();
+        }
+        let d = route(&r, &p, 0.0);
+        (d.worker, d.reason)
+    };
+    // Gap 4 vs abs 4: not strictly greater -> cache.
+    assert_eq!(run(4, 4.0, 1.5), (0, Reason::Cache));
+    // Gap 5 > 4 and 5 > 1.5 * 0 -> balance.
+    assert_eq!(run(5, 4.0, 1.5), (1, Reason::Balance));
+}
+
+#[test]
+fn cache_aware_rel_threshold_and_cache_threshold() {
+    let cfg = RouterConfig { policy: "cache_aware".into(), balance_abs_threshold: 1.0, balance_rel_threshold: 3.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(5, 640);
+    store(&r, 0, &p[..192]); // 3 of 10 blocks: 0.3, not > 0.3
+    let mut id = 0;
+    let mut pin = |w: WorkerId| {
+        id += 1;
+        r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(id), pin: Some(w), ..Default::default() }).unwrap();
+    };
+    pin(0);
+    pin(0);
+    pin(0);
+    pin(1); // loads 3 vs 1: gap 2 > 1 but 3 > 3 * 1 is false -> balanced
+    let d = route(&r, &p, 0.0);
+    assert_eq!((d.worker, d.reason), (1, Reason::LeastLoad), "matched fraction 0.3 is not above 0.3");
+    store(&r, 0, &p[..256]);
+    let d = route(&r, &p, 0.0);
+    assert_eq!((d.worker, d.reason), (0, Reason::Cache));
+}
+
+#[test]
+fn cost_is_dynamos_formula() {
+    let cfg = RouterConfig { policy: "cost".into(), prefill_load_scale: 2.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(6, 640); // 10 blocks
+    store(&r, 1, &p[..320]);
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    let ex = d.explain.unwrap();
+    assert_eq!(ex[0].score, 2.0 * 10.0 + 10.0);
+    assert_eq!(ex[1].score, 2.0 * 5.0 + 10.0);
+    assert_eq!(d.worker, 1);
+}
+
+#[test]
+fn rotate_ties_never_collapse() {
+    for policy in ["ttft", "least_load", "cache_only", "cache_aware", "cost", "slack"] {
+        let r = router(policy, TieBreak::Rotate, 4);
+        let p = prompt(7, 64);
+        let mut counts = [0u32; 4];
+        // Far apart in time: every worker is idle and empty-cached each time, so all scores tie.
+        for k in 0..40 {
+            counts[route(&r, &p, 1000.0 * k as f64).worker as usize] += 1;
+        }
+        assert!(counts.iter().all(|&c| c >= 5), "{policy}: {counts:?}");
+    }
+}
+
+#[test]
+fn rejection_leaves_state_untouched() {
+    let cfg = RouterConfig { policy: "ttft".into(), ttft_slo: Some(0.1), ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    let big = prompt(8, 4096); // 0.2048 s of prefill > 0.1
+    let before = r.load(0).unwrap();
+    let d = r.route(&RouteRequest { tokens: Some(&big), now: Some(1.0), request_id: Some(9), ..Default::default() }).unwrap();
+    assert!(!d.admitted);
+    assert_eq!(d.reason, Reason::RejectedTtft);
+    let after = r.load(0).unwrap();
+    assert_eq!((before.busy_until, before.prefilling, before.decoding), (after.busy_until, after.prefilling, after.decoding));
+    assert_eq!(r.num_in_flight(), 0);
+    // The same id can be routed again later (it was never admitted).
+    let small = prompt(8, 640);
+    assert!(r.route(&RouteRequest { tokens: Some(&small), now: Some(1.0), request_id: Some(9), ..Default::default() }).unwrap().admitted);
+}
+
+#[test]
+fn slo_fallback_takes_fastest_worker() {
+    let cfg = RouterConfig { policy: "cache_only".into(), ttft_slo: Some(0.05), tie_break: TieBreak::Lowest, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(9, 640);
+    store(&r, 0, &p);
+    r.observe(0, Observed::default(), Some(1.0), Some(0.0)).unwrap(); // worker 0 has a 1 s queue
+    let d = route(&r, &p, 0.0);
+    assert_eq!((d.worker, d.reason), (1, Reason::SloFallback));
+}
+
+#[test]
+fn lifecycle_and_corrections() {
+    let r = router("ttft", TieBreak::Lowest, 1);
+    let p = prompt(10, 2000); // 0.1 s each
+    for id in 0..3 {
+        r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(id), output_tokens: Some(100), ..Default::default() })
+            .unwrap();
+    }
+    let l = r.load(0).unwrap();
+    assert!((l.busy_until - 0.3).abs() < 1e-12);
+    assert_eq!((l.prefilling, l.decoding, l.decode_blocks), (3, 3, 3 * 33));
+    // First prefill finished 0.05 s late: the queue moves by the same amount.
+    r.prefill_done(0, Some(0.15)).unwrap();
+    assert!((r.load(0).unwrap().busy_until - 0.35).abs() < 1e-12);
+    // Second finished on the corrected schedule: no further shift.
+    r.prefill_done(1, Some(0.25)).unwrap();
+    assert!((r.load(0).unwrap().busy_until - 0.35).abs() < 1e-12);
+    assert!(matches!(r.prefill_done(1, Some(0.3)), Err(RouterError::InvalidArgument(_))));
+    r.cancel(2, Some(0.26)).unwrap();
+    let l = r.load(0).unwrap();
+    assert!((l.busy_until - 0.26).abs() < 1e-12, "{}", l.busy_until);
+    assert_eq!((l.prefilling, l.decoding), (0, 2));
+    r.finished(0, Some(1.0)).unwrap();
+    r.finished(1, Some(1.0)).unwrap();
+    assert_eq!(r.load(0).unwrap().decode_blocks, 0);
+    assert_eq!(r.finished(1, None), Err(RouterError::UnknownRequest(1)));
+}
+
+#[test]
+fn errors() {
+    let r = router("ttft", TieBreak::Rotate, 0);
+    let p = prompt(11, 64);
+    assert!(matches!(r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), ..Default::default() }), Err(RouterError::NoWorkers(_))));
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    assert_eq!(r.add_worker(1, WorkerSpec::default()), Err(RouterError::DuplicateWorker(1)));
+    assert!(matches!(
+        r.add_worker(2, WorkerSpec { prefill_tokens_per_s: f64::NAN, ..Default::default() }),
+        Err(RouterError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        r.route(&RouteRequest { tokens: Some(&[]), now: Some(0.0), ..Default::default() }),
+        Err(RouterError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        r.route(&RouteRequest { tokens: Some(&p), now: Some(-1.0), ..Default::default() }),
+        Err(RouterError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        r.route(&RouteRequest { hashes: Some(&[1, 2]), num_tokens: Some(10), ..Default::default() }),
+        Err(RouterError::InvalidArgument(_))
+    ));
+    assert_eq!(r.remove_worker(5), Err(RouterError::UnknownWorker(5)));
+    assert_eq!(r.route(&RouteRequest { tokens: Some(&p), pin: Some(5), ..Default::default() }).unwrap_err(), RouterError::UnknownWorker(5));
+    r.route(&RouteRequest { tokens: Some(&p), request_id: Some(1), ..Default::default() }).unwrap();
+    assert_eq!(
+        r.route(&RouteRequest { tokens: Some(&p), request_id: Some(1), ..Default::default() }).unwrap_err(),
+        RouterError::DuplicateRequest(1)
+    );
+    let bad = RouterConfig { policy: "nope".into(), ..Default::default() };
+    assert!(matches!(Router::new(bad, None), Err(RouterError::InvalidConfig(_))));
+}
+
+#[test]
+fn hashes_with_partial_block_count_as_prefill_work() {
+    let r = router("ttft", TieBreak::Lowest, 1);
+    let p = prompt(12, 130);
+    let hs = sequence_hashes(&p, 64, crate::DEFAULT_SEED, None);
+    let d = r.route(&RouteRequest { hashes: Some(&hs), num_tokens: Some(130), now: Some(0.0), ..Default::default() }).unwrap();
+    assert_eq!(d.uncached_tokens, 130);
+    assert_eq!(d.predicted_ttft, 130.0 / 20000.0);
+}
+
+fn pd_router(cfg: RouterConfig) -> Router {
+    let r = Router::new(cfg, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec { role: Role::Prefill, ..Default::default() }).unwrap();
+    }
+    for w in 10..12 {
+        r.add_worker(
+            w,
+            WorkerSpec { role: Role::Decode, kv_capacity_blocks: Some(100), decode_tokens_per_s: Some(1000.0), ..Default::default() },
+        )
+        .unwrap();
+    }
+    r
+}
+
+#[test]
+fn pd_pairs_and_transfer_time() {
+    let cfg = RouterConfig { policy: "ttft".into(), tie_break: TieBreak::Lowest, ..Default::default() };
+    let r = pd_router(cfg.clone());
+    let p = prompt(13, 640);
+    let d = r
+        .route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(1), output_tokens: Some(640), ..Default::default() })
+        .unwrap();
+    assert_eq!(d.path, Path::Disaggregated);
+    assert_eq!(d.decode_worker, Some(10));
+    assert_eq!(d.predicted_ttft, 640.0 / 20000.0 + cfg.transfer_time(640));
+    assert_eq!(d.predicted_tpot, Some(0.01 + 1.0 / 1000.0));
+    assert_eq!(r.load(10).unwrap().decode_blocks, 20);
+    // Next decode goes to the other (lower TPOT now).
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(2), ..Default::default() }).unwrap();
+    assert_eq!(d.decode_worker, Some(11));
+}
+
+#[test]
+fn pd_decode_rejections() {
+    let cfg = RouterConfig { policy: "ttft".into(), tpot_slo: Some(0.0125), ..Default::default() };
+    let r = pd_router(cfg);
+    let p = prompt(14, 64 * 70);
+    // 70 blocks * 1.2 = 84 <= 100 fits; a second would not.
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(1), ..Default::default() }).unwrap();
+    assert!(d.admitted);
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(2), ..Default::default() }).unwrap();
+    assert!(d.admitted);
+    let before = (r.load(10).unwrap().decode_blocks, r.load(0).unwrap().busy_until);
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(3), ..Default::default() }).unwrap();
+    assert_eq!((d.admitted, d.reason), (false, Reason::RejectedDecode));
+    assert_eq!(before, (r.load(10).unwrap().decode_blocks, r.load(0).unwrap().busy_until));
+    // TPOT: 0.01 + 2/1000 = 0.012 ok, 3/1000 -> 0.013 > 0.0125.
+    let small = prompt(15, 64);
+    for id in 4..6 {
+        assert!(
+            r.route(&RouteRequest { tokens: Some(&small), now: Some(0.0), request_id: Some(id), ..Default::default() }).unwrap().admitted
+        );
+    }
+    let d = r.route(&RouteRequest { tokens: Some(&small), now: Some(0.0), request_id: Some(7), ..Default::default() }).unwrap();
+    assert_eq!(d.reason, Reason::RejectedTpot);
+}
+
+#[test]
+fn conditional_disaggregation() {
+    let cfg = RouterConfig { policy: "ttft".into(), local_prefill_max_tokens: 100, prefill_busy_queue_s: Some(1.0), ..Default::default() };
+    let r = pd_router(cfg);
+    let d = route(&r, &prompt(16, 80), 0.0);
+    assert_eq!((d.path, d.reason, Some(d.worker)), (Path::Local, Reason::ShortPrompt, d.decode_worker));
+    // Long prompt, prefill pool busy for 5 s: prefilling on the decode worker is sooner.
+    r.observe(0, Observed::default(), Some(5.0), Some(0.0)).unwrap();
+    r.observe(1, Observed::default(), Some(5.0), Some(0.0)).unwrap();
+    let d = route(&r, &prompt(17, 4096), 0.0);
+    assert_eq!((d.path, d.reason), (Path::Local, Reason::PrefillPoolBusy));
+    let d = route(&r, &prompt(18, 4096), 100.0);
+    assert_eq!(d.path, Path::Disaggregated);
+}
+
+#[test]
+fn hot_prefix_fetch_from() {
+    let cfg = RouterConfig { policy: "ttft".into(), ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(19, 8192);
+    store(&r, 0, &p);
+    r.observe(0, Observed::default(), Some(10.0), Some(0.0)).unwrap();
+    let d = route(&r, &p, 0.0);
+    assert_eq!((d.worker, d.fetch_from), (1, Some(0)));
+}
+
+#[test]
+fn optimistic_insert_is_off_by_default() {
+    let r = router("ttft", TieBreak::Lowest, 2);
+    let p = prompt(20, 640);
+    route(&r, &p, 0.0);
+    assert_eq!(r.index().len(), 0);
+    let cfg = RouterConfig { policy: "ttft".into(), optimistic_insert: true, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(3, WorkerSpec::default()).unwrap();
+    route(&r, &p, 0.0);
+    assert_eq!(r.index().num_blocks(3), 10);
+}
+
+#[test]
+fn concurrent_routes_account_every_request() {
+    let r = Arc::new(router("slack", TieBreak::Rotate, 8));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let r = r.clone();
+            std::thread::spawn(move || {
+                for k in 0..250u64 {
+                    let p = prompt(t * 1000 + (k % 7) as u32, 640);
+                    r.route(&RouteRequest {
+                        tokens: Some(&p),
+                        now: Some(0.0),
+                        request_id: Some(t as u64 * 1000 + k),
+                        ..Default::default()
+                    })
+                    .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let total: u32 = r.workers().iter().map(|&w| r.load(w).unwrap().prefilling).sum();
+    assert_eq!(total, 1000);
+    let work: f64 = r.workers().iter().map(|&w| r.load(w).unwrap().busy_until).sum();
+    assert!((work - 1000.0 * 640.0 / 20000.0).abs() < 1e-9);
+}
