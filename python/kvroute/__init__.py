@@ -24,6 +24,15 @@ from kvroute._core import (
     chain_hashes,
     local_block_hashes,
 )
+from kvroute._core import (
+    POLICIES,
+    Decision,
+    KvrouteError,
+    NoWorkersError,
+    Router,
+    UnknownRequestError,
+    UnknownWorkerError,
+)
 
 Mapping.register(MatchResult)
 
@@ -40,4 +49,11 @@ __all__ = [
     "block_hashes",
     "chain_hashes",
     "local_block_hashes",
+    "POLICIES",
+    "Decision",
+    "KvrouteError",
+    "NoWorkersError",
+    "Router",
+    "UnknownRequestError",
+    "UnknownWorkerError",
 ]

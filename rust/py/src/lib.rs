@@ -4,6 +4,7 @@
 mod convert;
 mod errors;
 mod index;
+mod router;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
@@ -59,5 +60,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<index::MatchResult>()?;
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    router::register(m)?;
     Ok(())
 }

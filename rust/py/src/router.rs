@@ -1,0 +1,481 @@
+//! `kvroute.Router` and `kvroute.Decision`: thin wrappers over `kvroute_core::Router`, plus the
+//! Python exception hierarchy (`KvrouteError` and its subclasses) that router errors map onto.
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use kvroute_core::router::{Decision, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyList, PyString};
+
+use crate::convert::{extract_hashes, extract_tokens, extract_u64};
+use crate::index::PyKvIndex;
+
+create_exception!(kvroute, KvrouteError, PyException, "Base class of kvroute's own errors.");
+create_exception!(
+    kvroute,
+    NoWorkersError,
+    KvrouteError,
+    "Routing found no worker to route to (none registered, or none of the needed role)."
+);
+create_exception!(kvroute, UnknownWorkerError, KvrouteError, "A worker id that was never registered with add_worker (or was removed).");
+create_exception!(
+    kvroute,
+    UnknownRequestError,
+    KvrouteError,
+    "A request id that is not in flight (never routed with it, or already finished)."
+);
+
+fn to_py(e: RouterError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        RouterError::NoWorkers(_) => NoWorkersError::new_err(msg),
+        RouterError::UnknownWorker(_) => UnknownWorkerError::new_err(msg),
+        RouterError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+        RouterError::DuplicateWorker(_)
+        | RouterError::DuplicateRequest(_)
+        | RouterError::InvalidArgument(_)
+        | RouterError::InvalidConfig(_) => PyValueError::new_err(msg),
+    }
+}
+
+/// Request ids may be ints (0..2**64) or strings (hashed to a 64-bit key).
+fn request_key(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        s.to_str()?.hash(&mut h);
+        return Ok(h.finish());
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err("request_id must be an int or a str, got bool"));
+    }
+    extract_u64(obj, "request_id").map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(obj.py()) {
+            PyTypeError::new_err(format!(
+                "request_id must be an int or a str, got {}",
+                obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        } else {
+            e
+        }
+    })
+}
+
+fn check_time(v: Option<f64>, what: &str) -> PyResult<Option<f64>> {
+    match v {
+        Some(t) if !(t.is_finite() && t >= 0.0) => {
+            Err(PyValueError::new_err(format!("{what} must be a finite number of seconds >= 0, got {t}")))
+        }
+        _ => Ok(v),
+    }
+}
+
+/// A cache- and load-aware router: picks the prefill (and in PD mode the decode) worker for each
+/// request from prefix overlap in a `KvIndex` and its own per-worker load model.
+///
+/// >>> r = Router(policy="ttft")
+/// >>> r.add_worker(0); r.add_worker(1)
+/// >>> r.route(list(range(256)), now=0.0).worker in (0, 1)
+/// True
+#[pyclass(frozen, module = "kvroute._core", name = "Router")]
+pub struct PyRouter {
+    inner: Arc<Router>,
+}
+
+#[pymethods]
+impl PyRouter {
+    #[new]
+    #[pyo3(signature = (
+        *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true,
+        cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
+        temperature = 0.0, queue_weight = 1.0, prefill_weight = 2.0, slo_margin = 0.0, kv_headroom = 0.2,
+        decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001,
+        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        policy: &str,
+        block_size: i64,
+        tie_break: &str,
+        seed: u64,
+        ttft_slo: Option<f64>,
+        tpot_slo: Option<f64>,
+        reject: bool,
+        cache_threshold: f64,
+        balance_abs_threshold: f64,
+        balance_rel_threshold: f64,
+        prefill_load_scale: f64,
+        temperature: f64,
+        queue_weight: f64,
+        prefill_weight: f64,
+        slo_margin: f64,
+        kv_headroom: f64,
+        decode_step_s: f64,
+        kv_bytes_per_token: f64,
+        link_bytes_per_s: f64,
+        link_latency_s: f64,
+        local_prefill_max_tokens: u64,
+        prefill_busy_queue_s: Option<f64>,
+        optimistic_insert: bool,
+        hash_seed: u64,
+        index: Option<&Bound<'_, PyKvIndex>>,
+    ) -> PyResult<Self> {
+        let block_size = crate::convert::check_block_size(block_size)?;
+        let tie_break = TieBreak::from_name(tie_break)
+            .ok_or_else(|| PyValueError::new_err(format!("tie_break must be 'rotate' or 'lowest', got {tie_break:?}")))?;
+        let cfg = RouterConfig {
+            block_size,
+            hash_seed,
+            policy: policy.to_string(),
+            tie_break,
+            seed,
+            ttft_slo,
+            tpot_slo,
+            reject,
+            cache_threshold,
+            balance_abs_threshold,
+            balance_rel_threshold,
+            prefill_load_scale,
+            temperature,
+            queue_weight,
+            prefill_weight,
+            slo_margin,
+            kv_headroom,
+            decode_step_s,
+            kv_bytes_per_token,
+            link_bytes_per_s,
+            link_latency_s,
+            local_prefill_max_tokens,
+            prefill_busy_queue_s,
+            optimistic_insert,
+        };
+        let index = index.map(|i| i.get().inner.clone());
+        Ok(PyRouter { inner: Arc::new(Router::new(cfg, index).map_err(to_py)?) })
+    }
+
+    /// Registers a worker. `role`: "both" (unified), "prefill" or "decode"; registering any
+    /// "decode" worker turns on PD mode.
+    #[pyo3(signature = (worker, *, role = "both", prefill_tokens_per_s = 20000.0, kv_capacity_blocks = None, decode_tokens_per_s = None))]
+    fn add_worker(
+        &self,
+        worker: &Bound<'_, PyAny>,
+        role: &str,
+        prefill_tokens_per_s: f64,
+        kv_capacity_blocks: Option<u64>,
+        decode_tokens_per_s: Option<f64>,
+    ) -> PyResult<()> {
+        let id = extract_u64(worker, "worker")?;
+        let role = Role::from_name(role)
+            .ok_or_else(|| PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")))?;
+        let spec = WorkerSpec { role, prefill_tokens_per_s, kv_capacity_blocks, decode_tokens_per_s };
+        self.inner.add_worker(id, spec).map_err(to_py)
+    }
+
+    /// Stops routing to `worker` (the index is left alone).
+    fn remove_worker(&self, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.inner.remove_worker(extract_u64(worker, "worker")?).map_err(to_py)
+    }
+
+    /// Routes one request: `tokens` (list or 1-D integer array), or precomputed sequence `hashes`
+    /// with `num_tokens`. `worker` pins the request to that worker. Rejections leave state untouched.
+    #[pyo3(signature = (tokens = None, *, hashes = None, num_tokens = None, now = None, request_id = None, output_tokens = None, explain = false, worker = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        hashes: Option<&Bound<'_, PyAny>>,
+        num_tokens: Option<i64>,
+        now: Option<f64>,
+        request_id: Option<&Bound<'_, PyAny>>,
+        output_tokens: Option<i64>,
+        explain: bool,
+        worker: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyDecision> {
+        let now = check_time(now, "now")?;
+        let num_tokens = match num_tokens {
+            Some(n) if n < 0 => return Err(PyValueError::new_err(format!("num_tokens must be >= 1, got {n}"))),
+            n => n.map(|n| n as u64),
+        };
+        let output_tokens = match output_tokens {
+            Some(n) if n < 0 => return Err(PyValueError::new_err(format!("output_tokens must be >= 0, got {n}"))),
+            n => n.map(|n| n as u64),
+        };
+        let key = request_id.map(request_key).transpose()?;
+        let pin = worker.map(|w| extract_u64(w, "worker")).transpose()?;
+        let toks = tokens.map(extract_tokens).transpose()?;
+        let hs = hashes.map(extract_hashes).transpose()?;
+        let req = RouteRequest {
+            tokens: toks.as_ref().map(|t| t.as_slice()),
+            hashes: hs.as_ref().map(|h| h.as_slice()),
+            num_tokens,
+            now,
+            request_id: key,
+            output_tokens,
+            explain,
+            pin,
+        };
+        let router = &self.inner;
+        let d = py.detach(|| router.route(&req)).map_err(to_py)?;
+        Ok(PyDecision { d, request_id: request_id.map(|r| r.clone().unbind()) })
+    }
+
+    /// The request's prefill finished (corrects the worker's virtual queue by the prediction error).
+    #[pyo3(signature = (request_id, now = None))]
+    fn prefill_done(&self, request_id: &Bound<'_, PyAny>, now: Option<f64>) -> PyResult<()> {
+        self.inner.prefill_done(request_key(request_id)?, check_time(now, "now")?).map_err(to_py)
+    }
+
+    /// The request completed; its decode KV is released.
+    #[pyo3(signature = (request_id, now = None))]
+    fn finished(&self, request_id: &Bound<'_, PyAny>, now: Option<f64>) -> PyResult<()> {
+        self.inner.finished(request_key(request_id)?, check_time(now, "now")?).map_err(to_py)
+    }
+
+    /// The request was abandoned; a queued prefill is taken out of the virtual queue.
+    #[pyo3(signature = (request_id, now = None))]
+    fn cancel(&self, request_id: &Bound<'_, PyAny>, now: Option<f64>) -> PyResult<()> {
+        self.inner.cancel(request_key(request_id)?, check_time(now, "now")?).map_err(to_py)
+    }
+
+    /// Folds in engine-reported metrics: `waiting`/`running` request counts, `kv_usage` (0..1),
+    /// `queue_delay` (seconds of queued prefill; resets the virtual queue to now + queue_delay).
+    #[pyo3(signature = (worker, *, waiting = None, running = None, kv_usage = None, queue_delay = None, now = None))]
+    fn observe(
+        &self,
+        worker: &Bound<'_, PyAny>,
+        waiting: Option<u32>,
+        running: Option<u32>,
+        kv_usage: Option<f64>,
+        queue_delay: Option<f64>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let id = extract_u64(worker, "worker")?;
+        self.inner.observe(id, Observed { waiting, running, kv_usage }, queue_delay, check_time(now, "now")?).map_err(to_py)
+    }
+
+    /// Registered worker ids, ascending.
+    fn workers(&self) -> Vec<u64> {
+        self.inner.workers()
+    }
+
+    /// One worker's load as the router sees it, as a dict.
+    #[pyo3(signature = (worker, *, now = None))]
+    fn load<'py>(&self, py: Python<'py>, worker: &Bound<'py, PyAny>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let w = self.inner.load(extract_u64(worker, "worker")?).map_err(to_py)?;
+        let now = check_time(now, "now")?.unwrap_or_else(|| self.inner.clock());
+        let d = PyDict::new(py);
+        d.set_item("role", w.spec.role.name())?;
+        d.set_item("busy_until", w.busy_until)?;
+        d.set_item("queue_delay", w.queue_delay(now))?;
+        d.set_item("in_flight", w.in_flight())?;
+        d.set_item("prefilling", w.prefilling)?;
+        d.set_item("prefill_tokens", w.prefill_tokens)?;
+        d.set_item("decoding", w.decoding)?;
+        d.set_item("decode_blocks", w.decode_blocks)?;
+        d.set_item("kv_capacity_blocks", w.spec.kv_capacity_blocks)?;
+        d.set_item("prefill_tokens_per_s", w.spec.prefill_tokens_per_s)?;
+        d.set_item("decode_tokens_per_s", w.spec.decode_tokens_per_s)?;
+        d.set_item("observed_waiting", w.observed.waiting)?;
+        d.set_item("observed_running", w.observed.running)?;
+        d.set_item("observed_kv_usage", w.observed.kv_usage)?;
+        Ok(d)
+    }
+
+    /// Number of tracked in-flight requests.
+    #[getter]
+    fn num_in_flight(&self) -> usize {
+        self.inner.num_in_flight()
+    }
+
+    /// The KvIndex the router matches against (shared, not a copy).
+    #[getter]
+    fn index(&self) -> PyKvIndex {
+        PyKvIndex { inner: self.inner.index().clone() }
+    }
+
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy_name()
+    }
+
+    /// The configuration, as a dict of the constructor's keyword arguments.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.inner.config();
+        let d = PyDict::new(py);
+        d.set_item("policy", &c.policy)?;
+        d.set_item("block_size", c.block_size)?;
+        d.set_item("tie_break", c.tie_break.name())?;
+        d.set_item("seed", c.seed)?;
+        d.set_item("ttft_slo", c.ttft_slo)?;
+        d.set_item("tpot_slo", c.tpot_slo)?;
+        d.set_item("reject", c.reject)?;
+        d.set_item("cache_threshold", c.cache_threshold)?;
+        d.set_item("balance_abs_threshold", c.balance_abs_threshold)?;
+        d.set_item("balance_rel_threshold", c.balance_rel_threshold)?;
+        d.set_item("prefill_load_scale", c.prefill_load_scale)?;
+        d.set_item("temperature", c.temperature)?;
+        d.set_item("queue_weight", c.queue_weight)?;
+        d.set_item("prefill_weight", c.prefill_weight)?;
+        d.set_item("slo_margin", c.slo_margin)?;
+        d.set_item("kv_headroom", c.kv_headroom)?;
+        d.set_item("decode_step_s", c.decode_step_s)?;
+        d.set_item("kv_bytes_per_token", c.kv_bytes_per_token)?;
+        d.set_item("link_bytes_per_s", c.link_bytes_per_s)?;
+        d.set_item("link_latency_s", c.link_latency_s)?;
+        d.set_item("local_prefill_max_tokens", c.local_prefill_max_tokens)?;
+        d.set_item("prefill_busy_queue_s", c.prefill_busy_queue_s)?;
+        d.set_item("optimistic_insert", c.optimistic_insert)?;
+        d.set_item("hash_seed", c.hash_seed)?;
+        Ok(d)
+    }
+
+    /// Seconds on the router's default clock (since it was created).
+    fn clock(&self) -> f64 {
+        self.inner.clock()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!("Router(policy={:?}, workers={}, tie_break={:?})", c.policy, self.inner.workers().len(), c.tie_break.name())
+    }
+}
+
+/// The outcome of `Router.route`.
+#[pyclass(frozen, module = "kvroute._core", name = "Decision")]
+pub struct PyDecision {
+    d: Decision,
+    request_id: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyDecision {
+    /// Prefill (or unified) worker; for a rejection, the worker that was judged.
+    #[getter]
+    fn worker(&self) -> u64 {
+        self.d.worker
+    }
+    /// PD mode: the decode worker; else None.
+    #[getter]
+    fn decode_worker(&self) -> Option<u64> {
+        self.d.decode_worker
+    }
+    #[getter]
+    fn overlap_blocks(&self) -> u32 {
+        self.d.overlap_blocks
+    }
+    #[getter]
+    fn num_tokens(&self) -> u64 {
+        self.d.num_tokens
+    }
+    #[getter]
+    fn uncached_tokens(&self) -> u64 {
+        self.d.uncached_tokens
+    }
+    #[getter]
+    fn queue_delay(&self) -> f64 {
+        self.d.queue_delay
+    }
+    /// Seconds: queueing delay + uncached prefill (+ KV transfer in PD mode).
+    #[getter]
+    fn predicted_ttft(&self) -> f64 {
+        self.d.predicted_ttft
+    }
+    #[getter]
+    fn predicted_tpot(&self) -> Option<f64> {
+        self.d.predicted_tpot
+    }
+    /// The prefill worker's virtual-time queue end after admission (the seed's `busy[i]`).
+    #[getter]
+    fn busy_until(&self) -> f64 {
+        self.d.busy_until
+    }
+    #[getter]
+    fn admitted(&self) -> bool {
+        self.d.admitted
+    }
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.d.reason.name()
+    }
+    /// "unified", "disaggregated" or "local" (PD mode, prefilled on the decode worker).
+    #[getter]
+    fn path(&self) -> &'static str {
+        self.d.path.name()
+    }
+    #[getter]
+    fn fetch_from(&self) -> Option<u64> {
+        self.d.fetch_from
+    }
+    #[getter]
+    fn request_id(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.request_id.as_ref().map(|r| r.clone_ref(py))
+    }
+    /// With `explain=True`: per candidate worker, a dict of overlap, queue delay, prefill and
+    /// transfer time, predicted TTFT, in-flight requests and the policy's score; else None.
+    #[getter]
+    fn explain<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        let Some(rows) = &self.d.explain else { return Ok(None) };
+        let list = PyList::empty(py);
+        for r in rows {
+            let d = PyDict::new(py);
+            d.set_item("worker", r.worker)?;
+            d.set_item("overlap_blocks", r.overlap_blocks)?;
+            d.set_item("queue_delay", r.queue_delay)?;
+            d.set_item("prefill_time", r.prefill_time)?;
+            d.set_item("transfer_time", r.transfer_time)?;
+            d.set_item("predicted_ttft", r.predicted_ttft)?;
+            d.set_item("in_flight", r.in_flight)?;
+            d.set_item("score", r.score)?;
+            list.append(d)?;
+        }
+        Ok(Some(list))
+    }
+
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("worker", self.d.worker)?;
+        d.set_item("decode_worker", self.d.decode_worker)?;
+        d.set_item("overlap_blocks", self.d.overlap_blocks)?;
+        d.set_item("num_tokens", self.d.num_tokens)?;
+        d.set_item("uncached_tokens", self.d.uncached_tokens)?;
+        d.set_item("queue_delay", self.d.queue_delay)?;
+        d.set_item("predicted_ttft", self.d.predicted_ttft)?;
+        d.set_item("predicted_tpot", self.d.predicted_tpot)?;
+        d.set_item("busy_until", self.d.busy_until)?;
+        d.set_item("admitted", self.d.admitted)?;
+        d.set_item("reason", self.d.reason.name())?;
+        d.set_item("path", self.d.path.name())?;
+        d.set_item("fetch_from", self.d.fetch_from)?;
+        d.set_item("request_id", self.request_id(py))?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        let d = &self.d;
+        let dw = d.decode_worker.map(|w| format!(", decode_worker={w}")).unwrap_or_default();
+        format!(
+            "Decision(worker={}{dw}, admitted={}, reason={:?}, overlap_blocks={}, predicted_ttft={:.6})",
+            d.worker,
+            if d.admitted { "True" } else { "False" },
+            d.reason.name(),
+            d.overlap_blocks,
+            d.predicted_ttft
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyRouter>()?;
+    m.add_class::<PyDecision>()?;
+    m.add("KvrouteError", py.get_type::<KvrouteError>())?;
+    m.add("NoWorkersError", py.get_type::<NoWorkersError>())?;
+    m.add("UnknownWorkerError", py.get_type::<UnknownWorkerError>())?;
+    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add("POLICIES", kvroute_core::router::policy::POLICIES.to_vec())?;
+    Ok(())
+}
