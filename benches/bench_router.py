@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
-
 import kvroute
+import numpy as np
 
 BLOCK = 64
 WORKERS = 64
@@ -37,7 +36,7 @@ def build(seed: int = 0):
     holders = [rng.choice(WORKERS, size=HOLDERS, replace=False).tolist() for _ in range(FAMILIES)]
     # Queries: a family's first 6000 tokens, then new ones (a real conversation's next turn).
     queries = []
-    for q in range(64):
+    for _ in range(64):
         f = int(rng.integers(FAMILIES))
         tail = rng.integers(0, 2**31, size=PROMPT - 6000, dtype=np.uint32)
         queries.append(np.concatenate([families[f, :6000], tail]))
@@ -102,8 +101,10 @@ def main(repeat: int = 3000) -> None:
     t0 = time.perf_counter()
     families, holders, queries = build()
     router = kvroute_router(families, holders)
-    print(f"index: {router.index.stats()['entries']:,} entries, {len(router.index):,} blocks, {WORKERS} workers "
-          f"(built in {time.perf_counter() - t0:.1f} s)")
+    print(
+        f"index: {router.index.stats()['entries']:,} entries, {len(router.index):,} blocks, {WORKERS} workers "
+        f"(built in {time.perf_counter() - t0:.1f} s)"
+    )
     # Far-apart times keep queues empty, so both routers see the same state every call.
     clock = iter(range(10**9))
     rows = []
@@ -128,15 +129,19 @@ def main(repeat: int = 3000) -> None:
         peer = timeit(lambda q: d.route(q, float(next(clock)) * 100.0), [(q,) for q in lists], max(repeat // 3, 300))
         rows.append(("dynamo 1.6.1 hash + RadixTree + Python scoring (list)", peer))
         n = max(repeat // 3, 300)
-        rows.append(("  of which compute_block_hash_for_seq", timeit(lambda q: dyn.compute_block_hash_for_seq(q, BLOCK), [(q,) for q in lists], n)))
+        rows.append(
+            ("  of which compute_block_hash_for_seq", timeit(lambda q: dyn.compute_block_hash_for_seq(q, BLOCK), [(q,) for q in lists], n))
+        )
         locals_ = [dyn.compute_block_hash_for_seq(q, BLOCK) for q in lists]
         rows.append(("  of which RadixTree.find_matches", timeit(d.tree.find_matches, [(h,) for h in locals_], n)))
     print(f"{'what':58s} {'p50 us':>9s} {'p99 us':>9s}")
     for name, xs in rows:
         print(f"{name:58s} {np.percentile(xs, 50):9.1f} {np.percentile(xs, 99):9.1f}")
     if peer is not None:
-        print(f"ratio dynamo/kvroute p50: {np.percentile(peer, 50) / np.percentile(ours, 50):.1f}x, "
-              f"p99: {np.percentile(peer, 99) / np.percentile(ours, 99):.1f}x")
+        print(
+            f"ratio dynamo/kvroute p50: {np.percentile(peer, 50) / np.percentile(ours, 50):.1f}x, "
+            f"p99: {np.percentile(peer, 99) / np.percentile(ours, 99):.1f}x"
+        )
     else:
         print("dynamo peer not installed (pip install ai-dynamo-runtime==1.6.1): no ratio")
 
@@ -164,7 +169,7 @@ if pytest is not None:
 
     @pytest.mark.skipif(dyn is None, reason="ai-dynamo-runtime is not installed")
     def test_dynamo_python_pieces_same_decision(benchmark, setup):
-        router, families, holders, queries = setup
+        _, families, holders, queries = setup
         d = DynamoRouter(families, holders)
         lists = [q.tolist() for q in queries]
         clock = iter(range(10**9))

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import kvroute
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import kvroute
 from kvroute import KvIndex, Router
 
 SPEED = 20000.0
@@ -383,7 +382,7 @@ def test_route_from_many_threads_accounts_every_request():
             barrier.wait(timeout=10)
             for k in range(200):
                 r.route(prompts[k % 7], now=0.0, request_id=t * 1000 + k)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
+        except BaseException as e:  # surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]

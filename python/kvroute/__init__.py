@@ -15,23 +15,20 @@ from collections.abc import Mapping
 
 from kvroute._core import (
     NUM_SHARDS,
+    POLICIES,
+    Decision,
     IndexCapacityError,
     KvIndex,
     KvrouteError,
     MatchResult,
-    __version__,
-    block_hashes,
-    chain_hashes,
-    local_block_hashes,
-)
-from kvroute._core import (
-    POLICIES,
-    Decision,
-    KvrouteError,
     NoWorkersError,
     Router,
     UnknownRequestError,
     UnknownWorkerError,
+    __version__,
+    block_hashes,
+    chain_hashes,
+    local_block_hashes,
 )
 
 Mapping.register(MatchResult)
@@ -40,20 +37,19 @@ TIERS = ("device", "host", "disk")
 
 __all__ = [
     "NUM_SHARDS",
+    "POLICIES",
     "TIERS",
+    "Decision",
     "IndexCapacityError",
     "KvIndex",
     "KvrouteError",
     "MatchResult",
-    "__version__",
-    "block_hashes",
-    "chain_hashes",
-    "local_block_hashes",
-    "POLICIES",
-    "Decision",
-    "KvrouteError",
     "NoWorkersError",
     "Router",
     "UnknownRequestError",
     "UnknownWorkerError",
+    "__version__",
+    "block_hashes",
+    "chain_hashes",
+    "local_block_hashes",
 ]

@@ -1,19 +1,19 @@
 //! `kvroute.Router` and `kvroute.Decision`: thin wrappers over `kvroute_core::Router`, plus the
-//! Python exception hierarchy (`KvrouteError` and its subclasses) that router errors map onto.
+//! router's exceptions (subclasses of `KvrouteError`) that router errors map onto.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kvroute_core::router::{Decision, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyString};
 
 use crate::convert::{extract_hashes, extract_tokens, extract_u64};
+use crate::errors::KvrouteError;
 use crate::index::PyKvIndex;
 
-create_exception!(kvroute, KvrouteError, PyException, "Base class of kvroute's own errors.");
 create_exception!(
     kvroute,
     NoWorkersError,
@@ -478,7 +478,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecision>()?;
-    m.add("KvrouteError", py.get_type::<KvrouteError>())?;
     m.add("NoWorkersError", py.get_type::<NoWorkersError>())?;
     m.add("UnknownWorkerError", py.get_type::<UnknownWorkerError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;

@@ -356,10 +356,12 @@ impl Router {
             self.index.match_into(hs, ANY_TIER, match_scratch, matches);
             let d = self.decide(now, num_tokens, req, matches)?;
             if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
-                self.index.store(d.worker, hs, None, Tier::Device);
+                // Best effort: an index at its capacity limit only forgets this guess (later
+                // matches come out shorter, never wrong); the decision itself stands.
+                let _ = self.index.store(d.worker, hs, None, Tier::Device);
                 if let Some(dw) = d.decode_worker {
                     if dw != d.worker {
-                        self.index.store(dw, hs, None, Tier::Device);
+                        let _ = self.index.store(dw, hs, None, Tier::Device);
                     }
                 }
             }
