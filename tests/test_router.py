@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import kvroute
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import kvroute
 from kvroute import KvIndex, Router
 
 SPEED = 20000.0
@@ -162,12 +161,28 @@ def test_slack_prefers_cache_within_slo():
 
 
 def test_slack_parameters_are_configurable():
-    r = make("slack", queue_weight=1.0, prefill_weight=1.0, tie_break="lowest")
+    r = make("slack", queue_weight=1.0, prefill_weight=1.0, pressure_weight=0.0, tie_break="lowest")
     p = prompt(10, 8192)
     hold(r, 0, p)
     r.observe(0, queue_delay=0.5, now=0.0)
     assert r.route(p, now=0.0).worker == 1  # equal weights = the "ttft" rule
     assert r.config["prefill_weight"] == 1.0
+
+
+def test_size_aware_admission_turns_away_expensive_requests_first():
+    r = make("slack", n=1, ttft_slo=2.0)
+    assert r.config["admission_work_factor"] == 2.0  # the default policy's default
+    assert make("ttft").config["admission_work_factor"] == 0.0  # the seed's rule elsewhere
+    cached = prompt(30, 8192)
+    hold(r, 0, cached[:8000])
+    r.observe(0, queue_delay=1.5, now=0.0)
+    big = prompt(31, 8000)  # 0.4 s: 1.9 s predicted, but 1.9 + 2 * min(0.4, 1.5) > 2
+    d = r.route(big, now=0.0)
+    assert (d.admitted, d.reason, d.predicted_ttft) == (False, "rejected_ttft", pytest.approx(1.9))
+    assert r.route(cached, now=0.0).admitted  # 192 uncached tokens: fits
+    # On an idle worker any prompt is admissible, however long.
+    r2 = make("slack", n=1, ttft_slo=2.0)
+    assert r2.route(prompt(32, 30000), now=0.0).admitted
 
 
 # ---- ties -------------------------------------------------------------------------------
@@ -367,7 +382,7 @@ def test_route_from_many_threads_accounts_every_request():
             barrier.wait(timeout=10)
             for k in range(200):
                 r.route(prompts[k % 7], now=0.0, request_id=t * 1000 + k)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
+        except BaseException as e:  # surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]

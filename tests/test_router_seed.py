@@ -13,10 +13,9 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+import kvroute
 import numpy as np
 import pytest
-
-import kvroute
 
 
 def _find_seed() -> Path | None:

@@ -84,6 +84,170 @@ class KvIndex:
     def load(data: bytes, *, max_nodes: int | None = None) -> KvIndex: ...
     def __len__(self) -> int: ...
 
+# ---- router ---------------------------------------------------------------------------------
+
+POLICIES: list[str]
+
+class NoWorkersError(KvrouteError):
+    """Routing found no worker to route to (none registered, or none of the needed role)."""
+
+class UnknownWorkerError(KvrouteError):
+    """A worker id that was never registered with add_worker (or was removed)."""
+
+class UnknownRequestError(KvrouteError):
+    """A request id that is not in flight (never routed with it, or already finished)."""
+
+Role = Literal["both", "prefill", "decode"]
+RequestId = int | str
+
+class WorkerScore(TypedDict):
+    worker: int
+    overlap_blocks: int
+    queue_delay: float
+    prefill_time: float
+    transfer_time: float
+    predicted_ttft: float
+    in_flight: int
+    score: float
+
+class WorkerLoad(TypedDict):
+    role: Role
+    busy_until: float
+    queue_delay: float
+    in_flight: int
+    prefilling: int
+    prefill_tokens: int
+    decoding: int
+    decode_blocks: int
+    kv_capacity_blocks: int | None
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float | None
+    observed_waiting: int | None
+    observed_running: int | None
+    observed_kv_usage: float | None
+
+class Decision:
+    """The outcome of `Router.route`."""
+
+    @property
+    def worker(self) -> int: ...
+    @property
+    def decode_worker(self) -> int | None: ...
+    @property
+    def overlap_blocks(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def uncached_tokens(self) -> int: ...
+    @property
+    def queue_delay(self) -> float: ...
+    @property
+    def predicted_ttft(self) -> float: ...
+    @property
+    def predicted_tpot(self) -> float | None: ...
+    @property
+    def busy_until(self) -> float: ...
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def path(self) -> Literal["unified", "disaggregated", "local"]: ...
+    @property
+    def fetch_from(self) -> int | None: ...
+    @property
+    def request_id(self) -> RequestId | None: ...
+    @property
+    def explain(self) -> list[WorkerScore] | None: ...
+    def to_dict(self) -> dict[str, object]: ...
+
+class Router:
+    """Cache- and load-aware router over a KvIndex; see docs/router.md for each policy's rule.
+
+    >>> r = Router(policy="ttft")
+    >>> r.add_worker(0); r.add_worker(1)
+    >>> r.route(list(range(256)), now=0.0).worker in (0, 1)
+    True
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: str = "slack",
+        block_size: int = 64,
+        tie_break: Literal["rotate", "lowest"] = "rotate",
+        seed: int = 0,
+        ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
+        reject: bool = True,
+        admission_work_factor: float | None = None,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: float = 64.0,
+        balance_rel_threshold: float = 1.5,
+        prefill_load_scale: float = 1.0,
+        temperature: float = 0.0,
+        queue_weight: float = 0.2,
+        prefill_weight: float = 1.0,
+        pressure_weight: float = 8.0,
+        slo_margin: float = 0.0,
+        kv_headroom: float = 0.2,
+        decode_step_s: float = 0.01,
+        kv_bytes_per_token: float = 327680.0,
+        link_bytes_per_s: float = 25e9,
+        link_latency_s: float = 0.001,
+        local_prefill_max_tokens: int = 0,
+        prefill_busy_queue_s: float | None = None,
+        optimistic_insert: bool = False,
+        hash_seed: int = 1337,
+        index: KvIndex | None = None,
+    ) -> None: ...
+    def add_worker(
+        self,
+        worker: int,
+        *,
+        role: Role = "both",
+        prefill_tokens_per_s: float = 20000.0,
+        kv_capacity_blocks: int | None = None,
+        decode_tokens_per_s: float | None = None,
+    ) -> None: ...
+    def remove_worker(self, worker: int) -> None: ...
+    def route(
+        self,
+        tokens: TokenIds | None = None,
+        *,
+        hashes: Hashes | None = None,
+        num_tokens: int | None = None,
+        now: float | None = None,
+        request_id: RequestId | None = None,
+        output_tokens: int | None = None,
+        explain: bool = False,
+        worker: int | None = None,
+    ) -> Decision: ...
+    def prefill_done(self, request_id: RequestId, now: float | None = None) -> None: ...
+    def finished(self, request_id: RequestId, now: float | None = None) -> None: ...
+    def cancel(self, request_id: RequestId, now: float | None = None) -> None: ...
+    def observe(
+        self,
+        worker: int,
+        *,
+        waiting: int | None = None,
+        running: int | None = None,
+        kv_usage: float | None = None,
+        queue_delay: float | None = None,
+        now: float | None = None,
+    ) -> None: ...
+    def workers(self) -> list[int]: ...
+    def load(self, worker: int, *, now: float | None = None) -> WorkerLoad: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def index(self) -> KvIndex: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def config(self) -> dict[str, object]: ...
+    def clock(self) -> float: ...
+
 # ---- simulator (rust/py/src/sim.rs) ----------------------------------------------------------
 
 def seed_chat_workload(

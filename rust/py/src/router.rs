@@ -1,19 +1,19 @@
 //! `kvroute.Router` and `kvroute.Decision`: thin wrappers over `kvroute_core::Router`, plus the
-//! Python exception hierarchy (`KvrouteError` and its subclasses) that router errors map onto.
+//! router's exceptions (subclasses of `KvrouteError`) that router errors map onto.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kvroute_core::router::{Decision, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyString};
 
 use crate::convert::{extract_hashes, extract_tokens, extract_u64};
+use crate::errors::KvrouteError;
 use crate::index::PyKvIndex;
 
-create_exception!(kvroute, KvrouteError, PyException, "Base class of kvroute's own errors.");
 create_exception!(
     kvroute,
     NoWorkersError,
@@ -88,9 +88,9 @@ pub struct PyRouter {
 impl PyRouter {
     #[new]
     #[pyo3(signature = (
-        *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true,
+        *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
-        temperature = 0.0, queue_weight = 1.0, prefill_weight = 2.0, slo_margin = 0.0, kv_headroom = 0.2,
+        temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001,
         local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
     ))]
@@ -103,6 +103,7 @@ impl PyRouter {
         ttft_slo: Option<f64>,
         tpot_slo: Option<f64>,
         reject: bool,
+        admission_work_factor: Option<f64>,
         cache_threshold: f64,
         balance_abs_threshold: f64,
         balance_rel_threshold: f64,
@@ -110,6 +111,7 @@ impl PyRouter {
         temperature: f64,
         queue_weight: f64,
         prefill_weight: f64,
+        pressure_weight: f64,
         slo_margin: f64,
         kv_headroom: f64,
         decode_step_s: f64,
@@ -134,6 +136,7 @@ impl PyRouter {
             ttft_slo,
             tpot_slo,
             reject,
+            admission_work_factor,
             cache_threshold,
             balance_abs_threshold,
             balance_rel_threshold,
@@ -141,6 +144,7 @@ impl PyRouter {
             temperature,
             queue_weight,
             prefill_weight,
+            pressure_weight,
             slo_margin,
             kv_headroom,
             decode_step_s,
@@ -313,6 +317,7 @@ impl PyRouter {
         d.set_item("ttft_slo", c.ttft_slo)?;
         d.set_item("tpot_slo", c.tpot_slo)?;
         d.set_item("reject", c.reject)?;
+        d.set_item("admission_work_factor", c.admission_factor())?;
         d.set_item("cache_threshold", c.cache_threshold)?;
         d.set_item("balance_abs_threshold", c.balance_abs_threshold)?;
         d.set_item("balance_rel_threshold", c.balance_rel_threshold)?;
@@ -320,6 +325,7 @@ impl PyRouter {
         d.set_item("temperature", c.temperature)?;
         d.set_item("queue_weight", c.queue_weight)?;
         d.set_item("prefill_weight", c.prefill_weight)?;
+        d.set_item("pressure_weight", c.pressure_weight)?;
         d.set_item("slo_margin", c.slo_margin)?;
         d.set_item("kv_headroom", c.kv_headroom)?;
         d.set_item("decode_step_s", c.decode_step_s)?;
@@ -472,7 +478,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecision>()?;
-    m.add("KvrouteError", py.get_type::<KvrouteError>())?;
     m.add("NoWorkersError", py.get_type::<NoWorkersError>())?;
     m.add("UnknownWorkerError", py.get_type::<UnknownWorkerError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;

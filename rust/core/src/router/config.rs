@@ -77,6 +77,12 @@ pub struct RouterConfig {
     pub ttft_slo: Option<f64>,
     /// TPOT target in seconds; decode workers predicted to miss it are not chosen.
     pub tpot_slo: Option<f64>,
+    /// Size-aware admission: a request is admissible on a worker only when predicted TTFT +
+    /// this * min(its prefill work, the queueing delay) keeps the TTFT SLO, so that under overload
+    /// the expensive requests are turned away first and the queue keeps room for the many cheap
+    /// (cached) ones; an idle worker still takes any prompt. 0: predicted TTFT <= SLO (the seed's rule).
+    /// None: the policy's default (2 for "slack", 0 for the others).
+    pub admission_work_factor: Option<f64>,
     /// Early rejection: a request predicted to miss an SLO (or with no decode room) is not admitted.
     pub reject: bool,
     /// "cache_aware": route to the best-overlap worker when matched tokens / prompt tokens exceed this.
@@ -94,6 +100,9 @@ pub struct RouterConfig {
     /// "slack": weight of the uncached prefill time (the compute the choice spends, which every
     /// later request on that worker waits for).
     pub prefill_weight: f64,
+    /// "slack": weight of the queueing the choice imposes on later requests there, modelled as
+    /// work * (queue + work) / ttft_slo (convex: the same work hurts more on a worker near the SLO).
+    pub pressure_weight: f64,
     /// "slack": fraction of the TTFT SLO held back as a safety margin when judging feasibility.
     pub slo_margin: f64,
     /// A decode worker has room when used + need * (1 + headroom) <= capacity.
@@ -127,13 +136,15 @@ impl Default for RouterConfig {
             ttft_slo: None,
             tpot_slo: None,
             reject: true,
+            admission_work_factor: None,
             cache_threshold: 0.3,
             balance_abs_threshold: 64.0,
             balance_rel_threshold: 1.5,
             prefill_load_scale: 1.0,
             temperature: 0.0,
-            queue_weight: 1.0,
-            prefill_weight: 2.0,
+            queue_weight: 0.2,
+            prefill_weight: 1.0,
+            pressure_weight: 8.0,
             slo_margin: 0.0,
             kv_headroom: 0.2,
             decode_step_s: 0.01,
@@ -162,6 +173,11 @@ fn finite_nonneg(name: &str, v: f64) -> Result<(), RouterError> {
 }
 
 impl RouterConfig {
+    /// `admission_work_factor`, or the policy's default when unset.
+    pub fn admission_factor(&self) -> f64 {
+        self.admission_work_factor.unwrap_or(if self.policy == "slack" { 2.0 } else { 0.0 })
+    }
+
     pub fn validate(&self) -> Result<(), RouterError> {
         check(self.block_size >= 1, || format!("block_size must be >= 1, got {}", self.block_size))?;
         check(super::policy::POLICIES.contains(&self.policy.as_str()), || {
@@ -179,6 +195,10 @@ impl RouterConfig {
         finite_nonneg("temperature", self.temperature)?;
         finite_nonneg("queue_weight", self.queue_weight)?;
         finite_nonneg("prefill_weight", self.prefill_weight)?;
+        finite_nonneg("pressure_weight", self.pressure_weight)?;
+        if let Some(f) = self.admission_work_factor {
+            finite_nonneg("admission_work_factor", f)?;
+        }
         check((0.0..1.0).contains(&self.slo_margin), || format!("slo_margin must be in [0, 1), got {}", self.slo_margin))?;
         finite_nonneg("kv_headroom", self.kv_headroom)?;
         finite_nonneg("decode_step_s", self.decode_step_s)?;

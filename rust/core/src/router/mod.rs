@@ -26,7 +26,7 @@ pub use config::{Role, RouterConfig, TieBreak};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
 pub use load::{InFlight, Observed, WorkerLoad, WorkerSpec};
-use policy::{make_policy, pick_min, Ctx, Policy, Rng};
+use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum RouterError {
@@ -356,10 +356,12 @@ impl Router {
             self.index.match_into(hs, ANY_TIER, match_scratch, matches);
             let d = self.decide(now, num_tokens, req, matches)?;
             if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
-                self.index.store(d.worker, hs, None, Tier::Device);
+                // Best effort: an index at its capacity limit only forgets this guess (later
+                // matches come out shorter, never wrong); the decision itself stands.
+                let _ = self.index.store(d.worker, hs, None, Tier::Device);
                 if let Some(dw) = d.decode_worker {
                     if dw != d.worker {
-                        self.index.store(dw, hs, None, Tier::Device);
+                        let _ = self.index.store(dw, hs, None, Tier::Device);
                     }
                 }
             }
@@ -507,17 +509,27 @@ impl Router {
             Some(x) => x,
             None => {
                 let State { cands, rotation, rr, rng, .. } = st;
-                let mut ctx =
-                    Ctx { tie_break: cfg.tie_break, rotation, rr, rng, num_tokens, block_size: cfg.block_size, ttft_slo: cfg.ttft_slo };
+                let mut ctx = Ctx {
+                    tie_break: cfg.tie_break,
+                    rotation,
+                    rr,
+                    rng,
+                    num_tokens,
+                    block_size: cfg.block_size,
+                    ttft_slo: cfg.ttft_slo,
+                    admission_work_factor: cfg.admission_factor(),
+                };
                 let (mut i, mut reason) = match pinned {
                     Some(_) => (0, Reason::Pinned),
                     None => self.policy.choose(&mut ctx, cands),
                 };
                 // Early rejection: the policy's choice misses the SLO -> the fastest worker, if any keeps it.
                 if let (true, Some(slo)) = (cfg.reject, cfg.ttft_slo) {
-                    if cands[i].predicted_ttft > slo {
-                        let best = pick_min(&mut ctx, cands, |_| true, |c| (c.predicted_ttft, 0.0)).expect("non-empty");
-                        if cands[best].predicted_ttft > slo {
+                    let f = cfg.admission_factor();
+                    let adm = |c: &Candidate| admission_ttft(c, f);
+                    if adm(&cands[i]) > slo {
+                        let best = pick_min(&mut ctx, cands, |_| true, |c| (adm(c), c.predicted_ttft)).expect("non-empty");
+                        if adm(&cands[best]) > slo {
                             let c = cands[best];
                             let dw = decode_at.map(|d| st.workers[d].id);
                             return Ok(self.rejection(c, dw, Reason::RejectedTtft, predicted_tpot, num_tokens, req, &st.cands));

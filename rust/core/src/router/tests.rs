@@ -19,7 +19,7 @@ fn route(r: &Router, toks: &[u32], now: f64) -> Decision {
 }
 
 fn store(r: &Router, w: WorkerId, toks: &[u32]) {
-    r.index().store(w, &sequence_hashes(toks, 64, crate::DEFAULT_SEED, None), None, Tier::Device);
+    r.index().store(w, &sequence_hashes(toks, 64, crate::DEFAULT_SEED, None), None, Tier::Device).unwrap();
 }
 
 #[test]

@@ -25,6 +25,20 @@ pub struct Ctx<'a> {
     pub num_tokens: u64,
     pub block_size: usize,
     pub ttft_slo: Option<f64>,
+    /// See `RouterConfig::admission_work_factor`.
+    pub admission_work_factor: f64,
+}
+
+/// The figure admission compares with the TTFT SLO: predicted TTFT plus `factor` times the part of
+/// the request's work that competes with an existing queue, min(work, queueing delay). On an idle
+/// worker that is 0, so a long prompt is never refused for its length alone.
+#[inline]
+pub fn admission_ttft(c: &Candidate, factor: f64) -> f64 {
+    if factor == 0.0 {
+        c.predicted_ttft
+    } else {
+        c.predicted_ttft + factor * (c.prefill_time + c.transfer_time).min(c.queue_delay)
+    }
 }
 
 /// Chooses one of `cands` (never empty, ordered by worker id) and says why; may fill `score`.
@@ -47,9 +61,12 @@ pub fn make_policy(cfg: &RouterConfig) -> Option<Box<dyn Policy>> {
         }),
         "ttft" => Box::new(ttft::Ttft),
         "cost" => Box::new(cost::Cost { prefill_load_scale: cfg.prefill_load_scale, temperature: cfg.temperature }),
-        "slack" => {
-            Box::new(slack::Slack { queue_weight: cfg.queue_weight, prefill_weight: cfg.prefill_weight, slo_margin: cfg.slo_margin })
-        }
+        "slack" => Box::new(slack::Slack {
+            queue_weight: cfg.queue_weight,
+            prefill_weight: cfg.prefill_weight,
+            pressure_weight: cfg.pressure_weight,
+            slo_margin: cfg.slo_margin,
+        }),
         _ => return None,
     })
 }

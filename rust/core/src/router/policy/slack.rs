@@ -10,12 +10,13 @@
 //! SLO (or none is set) it degrades to the same cost over all workers; the router's SLO check then
 //! falls back to minimum TTFT or rejects.
 
-use super::{pick_min, Ctx, Policy};
+use super::{admission_ttft, pick_min, Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
 
 pub struct Slack {
     pub queue_weight: f64,
     pub prefill_weight: f64,
+    pub pressure_weight: f64,
     pub slo_margin: f64,
 }
 
@@ -24,12 +25,18 @@ impl Policy for Slack {
         "slack"
     }
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
+        let scale = ctx.ttft_slo.unwrap_or(1.0);
         for c in cands.iter_mut() {
-            c.score = self.queue_weight * c.queue_delay + self.prefill_weight * (c.prefill_time + c.transfer_time);
+            let work = c.prefill_time + c.transfer_time;
+            c.score = self.queue_weight * c.queue_delay
+                + self.prefill_weight * work
+                + self.pressure_weight * work * (c.queue_delay + work) / scale;
         }
         let limit = ctx.ttft_slo.map_or(f64::INFINITY, |s| s * (1.0 - self.slo_margin));
         let key = |c: &Candidate| (c.score, c.predicted_ttft);
-        if let Some(i) = pick_min(ctx, cands, |c| c.predicted_ttft <= limit, key) {
+        let f = ctx.admission_work_factor;
+        let feasible = |c: &Candidate| admission_ttft(c, f) <= limit;
+        if let Some(i) = pick_min(ctx, cands, feasible, key) {
             return (i, Reason::Slack);
         }
         (pick_min(ctx, cands, |_| true, key).expect("non-empty"), Reason::Slack)
