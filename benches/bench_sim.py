@@ -22,7 +22,21 @@ import seed_reference
 from kvroute.sim import ClusterConfig, load_trace, seed_chat, simulate
 
 SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
-SHARED = os.environ.get("KVROUTE_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+
+
+def _find_shared() -> str:
+    """``$KVROUTE_SHARED``, else the nearest ``shared/`` beside the repository or one of its parents."""
+    if "KVROUTE_SHARED" in os.environ:
+        return os.environ["KVROUTE_SHARED"]
+    d = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    while True:
+        cand = os.path.join(os.path.dirname(d), "shared")
+        if os.path.isdir(os.path.join(cand, "traces")) or os.path.dirname(d) == d:
+            return cand
+        d = os.path.dirname(d)
+
+
+SHARED = _find_shared()
 MOONCAKE = os.path.join(SHARED, "traces", "mooncake_conversation_trace.jsonl")
 
 
