@@ -30,15 +30,6 @@ from kvroute._core import (
     chain_hashes,
     local_block_hashes,
 )
-from kvroute._core import (
-    POLICIES,
-    Decision,
-    KvrouteError,
-    NoWorkersError,
-    Router,
-    UnknownRequestError,
-    UnknownWorkerError,
-)
 
 Mapping.register(MatchResult)
 
@@ -61,11 +52,4 @@ __all__ = [
     "block_hashes",
     "chain_hashes",
     "local_block_hashes",
-    "POLICIES",
-    "Decision",
-    "KvrouteError",
-    "NoWorkersError",
-    "Router",
-    "UnknownRequestError",
-    "UnknownWorkerError",
 ]

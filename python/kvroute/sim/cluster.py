@@ -9,7 +9,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, cast
 
 from kvroute import KvIndex, _core
 from kvroute.sim.metrics import RunResult, summarize
@@ -86,11 +86,13 @@ def make_router(
         for k in ("decode_step_s", "kv_bytes_per_token", "link_bytes_per_s", "link_latency_s"):
             options.setdefault(k, getattr(cluster, k))
         options.setdefault("tpot_slo", cluster.tpot_slo)
+    if tie_break not in ("rotate", "lowest"):
+        raise ValueError(f"tie_break must be 'rotate' or 'lowest', got {tie_break!r}")
     router = Router(
         index=index,
         block_size=workload.block_size,
         policy=policy,
-        tie_break=tie_break,
+        tie_break=cast(Literal["rotate", "lowest"], tie_break),
         seed=seed,
         ttft_slo=cluster.slo,
         reject=reject,
@@ -133,7 +135,9 @@ def simulate(
     ``router_options`` go to the factory (for `make_router`: extra `kvroute.Router` settings).
     """
     if cluster.decode_instances > 0:
-        return _simulate_pd(workload, policy, reject, cluster, tie_break, seed, router_factory, progress, scenario, router_options or {})
+        return _simulate_pd(
+            workload, policy, reject, cluster, tie_break, seed, router_factory, progress, scenario, router_options or {}, python_random
+        )
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **(router_options or {}))
     engines = _core.PrefillEngines(
@@ -240,6 +244,7 @@ def _simulate_pd(
     progress: bool | None,
     scenario: str | None,
     router_options: dict[str, Any],
+    python_random: bool,
 ) -> RunResult:
     """PD mode: prefill on the prefill pool (as `simulate`), then the KV moves to the decode worker
     the Router chose, waits for KV room there, and decodes ``output_tokens`` tokens at the TPOT of
@@ -273,7 +278,7 @@ def _simulate_pd(
     good = rejected = hit_tokens = total_tokens = no_room = 0
     tpots: list[float] = []
     misses_by_reason: dict[str, int] = {}
-    draw = random.Random(seed).randrange if policy == "random" else None
+    draw = random.Random(seed).randrange if policy == "random" and python_random else None
 
     def run_events(until: float) -> None:
         nonlocal good, no_room
