@@ -48,7 +48,7 @@ def test_simulate_table_default_rows(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_simulate_sweep_reports_max_rate(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run(capsys, "simulate", "--rate", "20:30:10", "--duration", "5", "--policy", "ttft", "--reject")
+    out = run(capsys, "simulate", "--rate", "20:40:10", "--duration", "5", "--policy", "ttft", "--reject")
     assert "max rate with >= 99% attainment:" in out
     assert "ttft +reject" in out.split("max rate")[1]
 
