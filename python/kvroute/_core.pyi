@@ -1,7 +1,7 @@
 """Type stubs for kvroute's Rust extension module (rust/py)."""
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -247,3 +247,50 @@ class Router:
     @property
     def config(self) -> dict[str, object]: ...
     def clock(self) -> float: ...
+
+# ---- simulator (rust/py/src/sim.rs) ----------------------------------------------------------
+
+def seed_chat_workload(
+    rate: float,
+    seconds: float,
+    seed: int = 0,
+    *,
+    systems: int = 20,
+    system_tokens: int = 2048,
+    conversations: int = 400,
+    turn_tokens: int = 300,
+    vocab: int = 1_000_000,
+    block_size: int = 64,
+    hash_seed: int = 1337,
+    with_tokens: bool = False,
+) -> dict[str, Any]: ...
+def chain_block_ids(ids: Hashes, offsets: Hashes, *, seed: int = 1337) -> npt.NDArray[np.uint64]: ...
+
+class PrefillEngines:
+    """Simulated prefill engines: LRU prefix caches and FIFO queues publishing KV events."""
+
+    def __init__(
+        self,
+        worker_ids: Sequence[int],
+        *,
+        capacity_blocks: int,
+        tokens_per_s: float,
+        block_size: int = 64,
+        index: KvIndex | None = None,
+        event_lag: float = 0.0,
+    ) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def worker_ids(self) -> list[int]: ...
+    @property
+    def busy_until(self) -> list[float]: ...
+    @property
+    def events_published(self) -> int: ...
+    @property
+    def pending_events(self) -> int: ...
+    def prefill(self, engine: int, hashes: Hashes, num_tokens: int, now: float) -> tuple[int, int, float, float]: ...
+    def hit_blocks(self, engine: int, hashes: Hashes) -> int: ...
+    def advance(self, now: float) -> None: ...
+    def flush(self) -> None: ...
+    def cached_blocks(self, engine: int) -> npt.NDArray[np.uint64]: ...
+    def clear(self, engine: int, now: float) -> int: ...

@@ -8,3 +8,4 @@ pub mod router;
 pub use hash::DEFAULT_SEED;
 pub use index::{IndexError, IndexStats, KvIndex, MatchScratch, Matches, Tier, TierMask, WorkerId, ANY_TIER};
 pub use router::{Decision, RouteRequest, Router, RouterConfig, RouterError};
+pub mod sim;

@@ -5,6 +5,7 @@ mod convert;
 mod errors;
 mod index;
 mod router;
+mod sim;
 
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
@@ -58,6 +59,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<index::PyKvIndex>()?;
     m.add_class::<index::MatchResult>()?;
+    m.add_function(wrap_pyfunction!(sim::seed_chat_workload, m)?)?;
+    m.add_class::<sim::PyPrefillEngines>()?;
+    m.add_function(wrap_pyfunction!(sim::chain_block_ids, m)?)?;
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     router::register(m)?;

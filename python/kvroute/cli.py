@@ -1,0 +1,326 @@
+"""The ``kvroute`` command: ``simulate`` (the seed chapter's routing experiment, trace replays,
+rate sweeps) and ``plan`` (xPyD sizing, static and over time windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvroute.sim import ClusterConfig, Workload
+
+__all__ = ["main"]
+
+#: The seed chapter's table: its four policies without rejection, then "ttft" with rejection.
+SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
+TRACE_DEFAULT = os.path.join("..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+
+
+def _rates(values: Sequence[str] | None) -> list[float] | None:
+    if not values:
+        return None
+    out = []
+    for v in values:
+        for part in v.replace(" ", "").split(","):
+            if not part:
+                continue
+            if ":" in part:  # start:stop:step, inclusive
+                a, b, c = (float(x) for x in part.split(":"))
+                if c <= 0:
+                    raise argparse.ArgumentTypeError(f"rate range step must be > 0 in {part!r}")
+                x = a
+                while x <= b + 1e-9:
+                    out.append(round(x, 9))
+                    x += c
+            else:
+                out.append(float(part))
+    if any(not (r > 0) for r in out):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {out}")
+    return out
+
+
+def _policies() -> list[str]:
+    from kvroute import POLICIES
+
+    return list(POLICIES)
+
+
+def _default_policy() -> str:
+    """The policy a `kvroute.Router()` uses when none is named."""
+    from kvroute import Router
+
+    return str(Router().policy)
+
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate routing policies on a prefill cluster",
+        description="Replays a workload on simulated prefill instances (LRU prefix caches, FIFO queues, KV events) "
+        "with every request routed by kvroute.Router, and prints hit rate, TTFT p50/p99, SLO attainment. "
+        "With no arguments: the seed chapter's experiment (40 and 70 req/s) plus the default policy's row.",
+    )
+    p.add_argument(
+        "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
+    )
+    p.add_argument("--trace", metavar="PATH", help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
+    p.add_argument("--shape", default="chat", help="synthetic trace shape: chat, agent, docs (scenario synthetic)")
+    p.add_argument("--requests", type=int, default=3000, help="synthetic trace length (default 3000)")
+    p.add_argument(
+        "--rate", action="append", metavar="R", help="req/s; repeatable, or a list '40,70' or range '40:90:10' (seed-chat/synthetic)"
+    )
+    p.add_argument("--speedup", action="append", metavar="X", help="trace arrival speed-up; repeatable or a list (trace; default 1)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of seed-chat arrivals (default 120)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0, the seed chapter's)")
+    p.add_argument("--instances", type=int, help="prefill instances (default 8)")
+    p.add_argument("--cache-blocks", type=int, help="LRU cache per instance in blocks (default 3000 of 64 tokens; 1000 of 512 for traces)")
+    p.add_argument("--speed", type=float, help="prefill tokens/s per instance (default 20000)")
+    p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default 2.0)")
+    p.add_argument("--decode-instances", type=int, default=0, help="PD mode: decode instances (default 0: prefill-only, as the seed)")
+    p.add_argument("--decode-kv-blocks", type=int, default=20000, help="KV blocks per decode instance (default 20000)")
+    p.add_argument(
+        "--decode-speed", type=float, default=2000.0, help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)"
+    )
+    p.add_argument("--tpot-slo", type=float, help="TPOT SLO in seconds (PD mode; default none)")
+    p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
+    p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
+    p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
+    p.add_argument(
+        "--tie-break", choices=("lowest", "rotate"), help="tie-break (default: lowest for seed-chat, as the seed; rotate otherwise)"
+    )
+    p.add_argument("--router-seed", type=int, default=1, help="seed of the router's random choices (default 1, the seed's Random(1))")
+    p.add_argument("--json", action="store_true", help="one JSON object per run per line instead of tables")
+    p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib: kvroute[plot])")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only drawn on a terminal anyway)")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
+    from kvroute.sim import ClusterConfig
+
+    def pick(v: float | None, default: float) -> float:
+        return default if v is None else v
+
+    return ClusterConfig(
+        instances=int(pick(a.instances, 8)),
+        cache_blocks=int(pick(a.cache_blocks, 1000 if trace_like else 3000)),
+        speed=pick(a.speed, 20000.0),
+        slo=pick(a.slo, 2.0),
+        event_lag=a.event_lag,
+        decode_instances=a.decode_instances,
+        decode_kv_blocks=a.decode_kv_blocks,
+        decode_tokens_per_s=a.decode_speed,
+        tpot_slo=a.tpot_slo,
+    )
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from kvroute.sim import load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
+    from kvroute.sim.report import format_table, max_sustained_rate, plot_runs
+
+    scenario = a.scenario or ("trace" if a.trace else "seed-chat")
+    if scenario == "trace" and not a.trace:
+        raise SystemExit(f"kvroute simulate: --scenario trace needs --trace PATH (e.g. {TRACE_DEFAULT})")
+    trace_like = scenario != "seed-chat"
+    try:
+        cluster = _cluster(a, trace_like)
+    except ValueError as e:
+        raise SystemExit(f"kvroute simulate: {e}") from None
+    seed_policies = {p for p, _ in SEED_ROWS}
+
+    def tie_for(policy: str) -> str:
+        # The seed's rows break ties by lowest index, as the seed's min()/max() do; ours rotate.
+        if a.tie_break:
+            return str(a.tie_break)
+        return "lowest" if scenario == "seed-chat" and policy in seed_policies else "rotate"
+
+    known = _policies()
+    if a.policy:
+        names = known if "all" in a.policy else a.policy
+        bad = [x for x in names if x not in known]
+        if bad:
+            raise SystemExit(f"kvroute simulate: unknown policy {bad[0]!r}; expected one of {', '.join(known)} or all")
+        rows = [(x, a.reject) for x in names]
+    elif scenario == "seed-chat" and not a.reject:
+        rows = [*SEED_ROWS, (_default_policy(), True)]
+    else:
+        rows = [(x, a.reject) for x in known]
+    try:
+        rates = _rates(a.rate)
+        speedups = _rates(a.speedup)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise SystemExit(f"kvroute simulate: {e}") from None
+    progress = False if a.no_progress or a.json else None
+
+    def workloads() -> Iterator[Workload]:
+        if scenario == "seed-chat":
+            for r in rates or [40.0, 70.0]:
+                yield seed_chat(r, a.duration, a.seed)
+        elif scenario == "synthetic":
+            for r in rates or [10.0]:
+                w = records_to_workload(synthetic_trace(a.shape, requests=a.requests, rate=r, seed=a.seed), name=f"synthetic-{a.shape}")
+                w.meta.update(scenario=f"synthetic-{a.shape}", rate=r, seed=a.seed)
+                yield w
+        else:
+            for s in speedups or [1.0]:
+                try:
+                    w = load_trace(a.trace, speedup=s)
+                except OSError as e:
+                    raise SystemExit(f"kvroute simulate: cannot read trace: {e}") from None
+                w.meta.update(rate=len(w) / max(w.duration, 1e-9), seed=None, speedup=s)
+                yield w
+
+    runs = []
+    for w in workloads():
+        block = []
+        for policy, reject in rows:
+            r = simulate(w, policy, reject=reject, cluster=cluster, tie_break=tie_for(policy), seed=a.router_seed, progress=progress)
+            if "speedup" in w.meta:
+                r.extra["speedup"] = w.meta["speedup"]
+            block.append(r)
+            if a.json:
+                print(json.dumps(r.to_json()), flush=True)
+        runs.extend(block)
+        if not a.json:
+            what = f"{w.meta['rate']:g} req/s" if scenario != "trace" else f"speed-up {w.meta['speedup']:g} ({w.meta['rate']:.2f} req/s)"
+            title = (
+                f"== {w.name}: {what}, {len(w)} requests; {cluster.instances} prefill instances, "
+                f"cache {cluster.cache_blocks} x {w.block_size}-token blocks, {cluster.speed:g} tokens/s, "
+                f"TTFT SLO {cluster.slo:g} s"
+                + (f", event lag {cluster.event_lag:g} s" if cluster.event_lag else "")
+                + (
+                    f"; {cluster.decode_instances} decode instances, {cluster.decode_kv_blocks} KV blocks, {cluster.decode_tokens_per_s:g} tokens/s"
+                    + (f", TPOT SLO {cluster.tpot_slo:g} s" if cluster.tpot_slo else "")
+                    if cluster.decode_instances
+                    else ""
+                )
+            )
+            print(format_table(title, block), flush=True)
+    if not a.json and len({r.rate for r in runs}) >= 3:  # a sweep, not the seed's two rates
+        print("\nmax rate with >= 99% attainment:")
+        for label, rate in max_sustained_rate(runs).items():
+            print(f"  {label:<24}{'below the sweep' if rate is None else f'{rate:g} req/s'}")
+    if a.plot:
+        try:
+            plot_runs(runs, a.plot, title=runs[0].scenario if runs else "")
+        except RuntimeError as e:
+            raise SystemExit(f"kvroute simulate: {e}") from None
+        if not a.json:
+            print(f"plot written to {a.plot}")
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="xPyD sizing: static per-phase needs, or a dynamic schedule over time windows",
+        description="With no arguments: the seed chapter's table (needs per phase vs a fixed 12P12D). "
+        "With --dynamic, --phases or --trace: a planner that resizes P/D per window with warm-up, draining and hysteresis.",
+    )
+    p.add_argument("--phases", metavar="FILE", help="phases as JSON list or CSV: name, rate, isl, osl, hit[, duration]")
+    p.add_argument("--trace", metavar="PATH", help="derive windows from a Mooncake-format trace")
+    p.add_argument("--speedup", type=float, default=1.0, help="trace arrival speed-up (default 1)")
+    p.add_argument("--dynamic", action="store_true", help="plan the seed's phases over time (each --phase-duration long)")
+    p.add_argument("--phase-duration", type=float, default=3600.0, help="seconds per seed phase with --dynamic (default 3600)")
+    p.add_argument("--ramp", type=float, default=600.0, help="seconds over which a phase blends into the next (default 600)")
+    p.add_argument("--total", type=int, default=24, help="instances in total (default 24)")
+    p.add_argument("--static", default="12P12D", help="the fixed split to compare against (default 12P12D)")
+    p.add_argument("--p-cap", type=float, default=20000.0, help="prompt tokens/s per prefill instance (default 20000)")
+    p.add_argument("--d-cap", type=float, default=3000.0, help="output tokens/s per decode instance within TPOT (default 3000)")
+    p.add_argument("--window", type=float, default=300.0, help="planning window in seconds (default 300)")
+    p.add_argument("--warmup", type=float, default=120.0, help="seconds a switched instance is unavailable (default 120)")
+    p.add_argument("--drain", type=float, default=60.0, help="extra seconds to drain a decode instance (default 60)")
+    p.add_argument("--hysteresis", type=float, default=0.95, help="keep the split while both sides are below this load (default 0.95)")
+    p.add_argument("--min-move", type=int, default=2, help="smallest worthwhile move when not overloaded (default 2)")
+    p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    p.add_argument("--plot", metavar="PATH.png", help="plot the schedule (needs matplotlib)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _parse_split(s: str) -> tuple[int, int]:
+    t = s.upper().rstrip("D").split("P")
+    try:
+        p, d = int(t[0]), int(t[1])
+    except (IndexError, ValueError):
+        raise SystemExit(f"kvroute plan: --static must look like 12P12D, got {s!r}") from None
+    return p, d
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from kvroute import planner as pl
+
+    static = _parse_split(a.static)
+    if sum(static) != a.total:
+        raise SystemExit(f"kvroute plan: --static {a.static} has {sum(static)} instances but --total is {a.total}")
+    dynamic = a.dynamic or a.phases or a.trace
+    if not dynamic:
+        if a.json:
+            for r in pl.static_rows(pl.SEED_PHASES, static, a.total, p_cap=a.p_cap, d_cap=a.d_cap):
+                print(json.dumps(r))
+        else:
+            print(pl.seed_static_table(pl.SEED_PHASES, static, a.total, p_cap=a.p_cap, d_cap=a.d_cap))
+        return 0
+    try:
+        cfg = pl.PlannerConfig(
+            total=a.total,
+            p_cap=a.p_cap,
+            d_cap=a.d_cap,
+            window=a.window,
+            warmup=a.warmup,
+            drain=a.drain,
+            hysteresis=a.hysteresis,
+            min_move=a.min_move,
+            initial=static,
+        )
+        if a.trace:
+            from kvroute.sim import load_trace
+
+            windows = pl.phases_from_workload(load_trace(a.trace, speedup=a.speedup), a.window)
+        else:
+            phases = (
+                pl.load_phases(a.phases)
+                if a.phases
+                else [pl.Phase(p.name, p.rate, p.isl, p.osl, p.hit, a.phase_duration) for p in pl.SEED_PHASES]
+            )
+            windows = pl.expand_phases(phases, a.window, ramp=a.ramp)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvroute plan: {e}") from None
+    steps = pl.plan_dynamic(windows, cfg, static=static)
+    if a.json:
+        for s in steps:
+            print(json.dumps(s.to_json()))
+    else:
+        print(pl.format_schedule(steps, cfg, static))
+    if a.plot:
+        try:
+            pl.plot_schedule(steps, a.plot)
+        except RuntimeError as e:
+            raise SystemExit(f"kvroute plan: {e}") from None
+        if not a.json:
+            print(f"plot written to {a.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan}")
+    _add_simulate(sub)
+    _add_plan(sub)
+    a = parser.parse_args(argv)
+    if not getattr(a, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(a.func(a))
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Request traces in the Mooncake format (timestamp ms, input_length, output_length, hash_ids of
+512-token blocks): loading, writing, and generating synthetic traces of other shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kvroute import _core
+from kvroute.sim.workload import Workload
+
+__all__ = ["MOONCAKE_BLOCK", "SHAPES", "load_trace", "records_to_workload", "synthetic_trace", "write_trace"]
+
+#: Tokens per hash id in Mooncake's released traces.
+MOONCAKE_BLOCK = 512
+
+
+class TraceFormatError(ValueError):
+    """A trace line is not a valid Mooncake-format record."""
+
+
+def _check_record(rec: Any, where: str) -> tuple[float, int, int, list[int]]:
+    if not isinstance(rec, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "hash_ids") if k not in rec]
+    if missing:
+        raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}; expected timestamp, input_length, output_length, hash_ids")
+    ts, n, out, ids = rec["timestamp"], rec["input_length"], rec.get("output_length", 0), rec["hash_ids"]
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
+        raise TraceFormatError(f"{where}: timestamp must be a finite number of milliseconds >= 0, got {ts!r}")
+    for name, v in (("input_length", n), ("output_length", out)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise TraceFormatError(f"{where}: {name} must be an int >= 0, got {v!r}")
+    if n < 1:
+        raise TraceFormatError(f"{where}: input_length must be >= 1 (an empty prompt), got {n}")
+    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64 for x in ids):
+        raise TraceFormatError(f"{where}: hash_ids must be a list of ints in 0..2**64")
+    return float(ts), n, out, ids
+
+
+def records_to_workload(
+    records: Iterable[dict[str, Any]], *, name: str = "trace", block_size: int = MOONCAKE_BLOCK, speedup: float = 1.0
+) -> Workload:
+    """Builds a `Workload` from Mooncake-format records (already parsed JSON objects).
+
+    Arrivals are ``timestamp / 1000 / speedup`` seconds; ``hash_ids`` are chained into sequence
+    hashes so that equal hashes mean equal prefixes. A last hash id covering a partial block is
+    kept (it is a distinct block in the trace) and counted as cached only up to ``input_length``.
+    """
+    if not (isinstance(speedup, (int, float)) and math.isfinite(speedup) and speedup > 0):
+        raise ValueError(f"speedup must be a finite number > 0, got {speedup!r}")
+    times: list[float] = []
+    lens: list[int] = []
+    outs: list[int] = []
+    offsets = [0]
+    ids: list[int] = []
+    for i, rec in enumerate(records):
+        ts, n, out, hs = _check_record(rec, f"{name} record {i}")
+        if len(hs) > math.ceil(n / block_size):
+            raise TraceFormatError(f"{name} record {i}: {len(hs)} hash_ids for {n} tokens; at most ceil({n}/{block_size}) expected")
+        times.append(ts / 1000.0 / speedup)
+        lens.append(n)
+        outs.append(out)
+        ids.extend(hs)
+        offsets.append(len(ids))
+    arrival = np.asarray(times, dtype=np.float64)
+    order = np.argsort(arrival, kind="stable")
+    off = np.asarray(offsets, dtype=np.uint64)
+    chained = _core.chain_block_ids(np.asarray(ids, dtype=np.uint64), off)
+    if np.any(order != np.arange(len(order))):
+        # Traces are usually sorted; if not, reorder requests by arrival, keeping ties stable.
+        parts = [chained[offsets[i] : offsets[i + 1]] for i in order]
+        chained = np.concatenate(parts) if parts else chained
+        lens = [lens[i] for i in order]
+        outs = [outs[i] for i in order]
+        arrival = arrival[order]
+        off = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.uint64)
+    return Workload(
+        name=name,
+        block_size=block_size,
+        arrival=arrival,
+        num_tokens=np.asarray(lens, dtype=np.int64),
+        output_tokens=np.asarray(outs, dtype=np.int64),
+        hash_offsets=off.astype(np.int64),
+        hashes=chained,
+        meta={"scenario": "trace", "speedup": speedup},
+    )
+
+
+def _read_lines(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
+def load_trace(
+    path: str | os.PathLike[str], *, speedup: float = 1.0, limit: int | None = None, block_size: int = MOONCAKE_BLOCK
+) -> Workload:
+    """Loads a Mooncake-format JSONL trace (e.g. ``mooncake_conversation_trace.jsonl``).
+
+    ``speedup`` > 1 compresses arrival times (more load); ``limit`` keeps the first requests.
+    """
+    recs: Iterable[dict[str, Any]] = _read_lines(path)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        recs = (r for i, r in zip(range(limit), recs))
+    w = records_to_workload(recs, name=os.path.basename(os.fspath(path)), block_size=block_size, speedup=speedup)
+    if len(w) == 0:
+        raise TraceFormatError(f"{path}: the trace has no requests")
+    return w
+
+
+def write_trace(records: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> int:
+    """Writes records as Mooncake-format JSONL; returns the number written."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
+            n += 1
+    return n
+
+
+# ---- synthetic traces ------------------------------------------------------------------------
+
+#: Built-in synthetic shapes: name -> (description, parameters).
+SHAPES: dict[str, dict[str, Any]] = {
+    # Multi-turn chat like the seed's, in 512-token blocks: shared system prompts, short turns.
+    "chat": dict(
+        prefixes=20,
+        prefix_tokens=2048,
+        sessions=400,
+        turn_tokens=(150, 450),
+        output=(50, 400),
+        doc_tokens=(0, 0),
+        burst=0.0,
+        max_tokens=16384,
+    ),
+    # Agents: few very long tool/system prefixes, sessions whose context grows fast, long outputs,
+    # turns of a session arriving in quick bursts.
+    "agent": dict(
+        prefixes=4,
+        prefix_tokens=8192,
+        sessions=64,
+        turn_tokens=(500, 3000),
+        output=(200, 1500),
+        doc_tokens=(0, 0),
+        burst=0.6,
+        max_tokens=65536,
+    ),
+    # Long documents (Zipf-popular) with short questions: long prompts, little cross-session reuse.
+    "docs": dict(
+        prefixes=2,
+        prefix_tokens=512,
+        sessions=1500,
+        turn_tokens=(50, 200),
+        output=(100, 400),
+        doc_tokens=(8000, 32000),
+        burst=0.0,
+        max_tokens=40000,
+    ),
+}
+
+
+def synthetic_trace(
+    shape: str = "chat", *, requests: int = 2000, rate: float = 10.0, seed: int = 0, block_size: int = MOONCAKE_BLOCK
+) -> list[dict[str, Any]]:
+    """Generates a trace in the Mooncake format with the given ``shape`` (see `SHAPES`).
+
+    Sessions start from one of a few shared prefixes (plus, for "docs", their own document) and
+    grow by a turn per request; hash ids are prefix-chained like Mooncake's (a full block keeps
+    its id for the session's life; a partial last block gets a fresh id each time). Arrivals
+    are Poisson at ``rate`` per second, with ``burst`` the chance a request continues the previous
+    request's session right away (agent loops).
+    """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown trace shape {shape!r}; expected one of {', '.join(SHAPES)}")
+    if requests < 1 or not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"need requests >= 1 and a finite rate > 0, got requests={requests}, rate={rate}")
+    p = SHAPES[shape]
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh() -> int:
+        nonlocal next_id
+        next_id += 1
+        return next_id - 1
+
+    prefix_blocks = p["prefix_tokens"] // block_size
+    prefixes = [[fresh() for _ in range(prefix_blocks)] for _ in range(p["prefixes"])]
+    sessions: list[tuple[list[int], int]] = []  # (full-block ids, tokens)
+    starts: list[tuple[list[int], int]] = []
+    for _ in range(p["sessions"]):
+        base = list(prefixes[rng.randrange(len(prefixes))])
+        tokens = prefix_blocks * block_size
+        lo, hi = p["doc_tokens"]
+        if hi:
+            doc = rng.randint(lo, hi) // block_size * block_size
+            base += [fresh() for _ in range(doc // block_size)]
+            tokens += doc
+        sessions.append((base, tokens))
+        starts.append((list(base), tokens))
+    # Zipf-like popularity over sessions so some are revisited often.
+    weights = [1.0 / (k + 1) ** 0.8 for k in range(len(sessions))]
+    cum = np.cumsum(weights)
+    t = 0.0
+    out = []
+    last = rng.randrange(len(sessions))
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        if p["burst"] and rng.random() < p["burst"]:
+            s = last
+        else:
+            s = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+            s = min(s, len(sessions) - 1)
+        last = s
+        ids, tokens = sessions[s]
+        turn = rng.randint(*p["turn_tokens"])
+        if tokens + turn > p["max_tokens"]:
+            # The context is full: the session starts over from its prefix (a new conversation).
+            ids, tokens = list(starts[s][0]), starts[s][1]
+        tokens += turn
+        while len(ids) < tokens // block_size:
+            ids.append(fresh())
+        sessions[s] = (ids, tokens)
+        hash_ids = list(ids) + ([fresh()] if tokens % block_size else [])
+        out.append({"timestamp": int(t * 1000), "input_length": tokens, "output_length": rng.randint(*p["output"]), "hash_ids": hash_ids})
+    return out
