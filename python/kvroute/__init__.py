@@ -17,6 +17,7 @@ from kvroute._core import (
     NUM_SHARDS,
     POLICIES,
     Decision,
+    EventError,
     IndexCapacityError,
     KvIndex,
     KvrouteError,
@@ -38,6 +39,7 @@ TIERS = ("device", "host", "disk")
 __all__ = [
     "NUM_SHARDS",
     "POLICIES",
+    "EventError",
     "TIERS",
     "Decision",
     "IndexCapacityError",
