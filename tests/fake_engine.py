@@ -255,20 +255,29 @@ class FakePublisher:
     delimiter (vLLM since PR #45177); "sglang" replies ``[seq, payload]`` and ``[END_SEQ, ""]``.
     """
 
-    def __init__(self, ctx: zmq.Context, *, framing: str = "vllm", topic: str = "", buffer_steps: int = 10_000, port: int | None = None):
+    def __init__(self, *, framing: str = "vllm", topic: str = "", buffer_steps: int = 10_000, port: int | None = None):
         assert framing in ("vllm", "sglang")
         self.framing, self.topic = framing, topic.encode()
+        # A context of its own: close() terminates it, which returns only once the sockets are
+        # really closed, so a restarted publisher can bind the same port at once.
+        self.ctx = ctx = zmq.Context()
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
-        if port is None:
-            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        else:
-            self.pub.bind(f"tcp://127.0.0.1:{port}")
-            self.port = port
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            if port is None:
+                self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            else:
+                self.pub.bind(f"tcp://127.0.0.1:{port}")
+                self.port = port
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        except zmq.ZMQError:
+            self.pub.close(linger=0)
+            self.router.close(linger=0)
+            ctx.term()
+            raise
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
         self.seq = 0
@@ -319,7 +328,10 @@ class FakePublisher:
             self.replays_served += 1
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(5)
         self.pub.close(linger=0)
         self.router.close(linger=0)
+        self.ctx.term()

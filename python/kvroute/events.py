@@ -87,7 +87,6 @@ class _Publisher:
     sock: Any = None
     replay_sock: Any = None
     last_seq: int | None = None
-    dup_floor: int = 0
     last_event: float | None = None
     expired: bool = False
     applied_to: set[int] = field(default_factory=set)
@@ -106,7 +105,6 @@ _COUNTERS = (
     "replayed_batches",
     "replay_failures",
     "resyncs",
-    "duplicates",
     "restarts",
     "decode_errors",
     "expired",
@@ -183,7 +181,7 @@ class KvEventSubscriber:
                     )
                 owner[w] = base
                 self._pubs.append(
-                    _Publisher(w, base, rank_endpoint(ep, r), rank_endpoint(rep, r) if rep else None, dup_floor=0)
+                    _Publisher(w, base, rank_endpoint(ep, r), rank_endpoint(rep, r) if rep else None)
                 )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -400,10 +398,9 @@ class KvEventSubscriber:
 
     def _on_batch(self, p: _Publisher, seq: int, payload: bytes) -> None:
         if p.last_seq is not None and seq <= p.last_seq:
-            if seq >= p.dup_floor:
-                self._count(duplicates=1)  # already applied via replay
-                return
-            # The sequence went backwards: a new publisher (engine restart) with an empty cache.
+            # ZMQ neither reorders nor repeats a connection's messages, and replay only fetches
+            # what live delivery skipped: a sequence that does not advance is a new publisher
+            # (an engine restart) with an empty cache.
             self._count(restarts=1)
             self._clear(p)
             p.last_seq = -1
@@ -419,7 +416,6 @@ class KvEventSubscriber:
                 self._clear(p)
             for s, pl in batches:
                 self._apply(p, s, pl)
-            p.dup_floor = expected
         self._apply(p, seq, payload)
 
     def _replay(self, p: _Publisher, start: int, upto: int) -> tuple[bool, list[tuple[int, bytes]]]:
