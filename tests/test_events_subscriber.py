@@ -198,7 +198,7 @@ def test_bad_frames_and_payloads_count_decode_errors_and_resync(ctx):
         pub.pub.send_multipart([b"", b"short"])  # not [topic, 8-byte seq, payload]
         assert sub.wait_for(lambda s: s["decode_errors"] >= 2, TIMEOUT), sub.stats()
         st = sub.stats()
-    assert st["resyncs"] == 1 and "events" not in (st["last_error"] or "") or True
+    assert st["resyncs"] == 1, st  # the garbage payload; the short message only counts an error
     assert "frames" in st["last_error"], st["last_error"]
     assert idx.num_blocks(4) == 0  # the bad batch left the worker's state unknown: cleared
 
