@@ -18,12 +18,11 @@ import statistics
 import sys
 import time
 
+import kvroute
 import msgspec
 
-import kvroute
-
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
-from fake_engine import VllmBlockRemoved, VllmBlockStored, VllmEventBatch  # noqa: E402
+from fake_engine import VllmBlockRemoved, VllmBlockStored, VllmEventBatch
 
 BLOCK_SIZE = 16
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Any
 
 import msgspec
 import zmq
@@ -26,7 +26,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -34,28 +34,28 @@ class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None]
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     event_version: int = 1
-    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
-    kv_cache_spec_sliding_window: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[int, bytes]]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
@@ -70,21 +70,21 @@ class LegacyKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc
 
 
 class LegacyBlockStored(LegacyKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[Union[int, bytes]]
-    parent_block_hash: Union[int, bytes, None]
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
-    group_idx: Optional[int] = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
 
 
 class LegacyBlockRemoved(LegacyKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[int, bytes]]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
 
 
 class LegacyAllBlocksCleared(LegacyKVCacheEvent, tag="AllBlocksCleared"):
@@ -97,7 +97,7 @@ class LegacyAllBlocksCleared(LegacyKVCacheEvent, tag="AllBlocksCleared"):
 class SglEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Any]
-    attn_dp_rank: Optional[int] = None
+    attn_dp_rank: int | None = None
 
 
 class SglKVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -106,16 +106,16 @@ class SglKVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
 
 class SglBlockStored(SglKVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
+    lora_id: int | None
+    medium: str | None = None
 
 
 class SglBlockRemoved(SglKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
-    medium: Optional[str] = None
+    medium: str | None = None
 
 
 class SglAllBlocksCleared(SglKVCacheEvent, tag="AllBlocksCleared"):
@@ -126,7 +126,7 @@ FLAVORS = ("vllm", "vllm-legacy", "sglang")
 
 
 class _Block:
-    __slots__ = ("key", "parent", "tokens", "prefix", "children", "used")
+    __slots__ = ("children", "key", "parent", "prefix", "tokens", "used")
 
     def __init__(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...], prefix: tuple[int, ...], used: int):
         self.key, self.parent, self.tokens, self.prefix = key, parent, tokens, prefix
@@ -228,7 +228,16 @@ class FakeEngine:
         bs = self.block_size
         if self.flavor == "vllm":
             return VllmBlockStored(
-                hashes, parent, tokens, bs, None, "GPU", None, extra_keys=[None] * len(hashes), group_idx=0, kv_cache_spec_kind="full_attention"
+                hashes,
+                parent,
+                tokens,
+                bs,
+                None,
+                "GPU",
+                None,
+                extra_keys=[None] * len(hashes),
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
             )
         if self.flavor == "vllm-legacy":
             return LegacyBlockStored(hashes, parent, tokens, bs, None, "GPU", None)

@@ -39,9 +39,9 @@ TIERS = ("device", "host", "disk")
 __all__ = [
     "NUM_SHARDS",
     "POLICIES",
-    "EventError",
     "TIERS",
     "Decision",
+    "EventError",
     "IndexCapacityError",
     "KvIndex",
     "KvrouteError",

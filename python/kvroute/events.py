@@ -12,6 +12,7 @@ Needs ``pyzmq`` (``pip install kvroute[events]``). Wire format and engine flags:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -27,7 +28,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvroute.events needs pyzmq: pip install 'kvroute[events]'") from exc
 
-__all__ = ["KvEventSubscriber", "parse_replay_frames", "rank_endpoint", "END_SEQ"]
+__all__ = ["END_SEQ", "KvEventSubscriber", "parse_replay_frames", "rank_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +181,7 @@ class KvEventSubscriber:
                         f"space base worker ids at least data_parallel_size={data_parallel_size} apart"
                     )
                 owner[w] = base
-                self._pubs.append(
-                    _Publisher(w, base, rank_endpoint(ep, r), rank_endpoint(rep, r) if rep else None)
-                )
+                self._pubs.append(_Publisher(w, base, rank_endpoint(ep, r), rank_endpoint(rep, r) if rep else None))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -290,10 +289,8 @@ class KvEventSubscriber:
         ev = asyncio.Event()
 
         def wake() -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # loop closed
-                pass
 
         deadline = loop.time() + timeout
         with self._lock:
@@ -306,10 +303,8 @@ class KvEventSubscriber:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return False
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(ev.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
         finally:
             with self._lock:
                 self._listeners.discard(wake)
@@ -339,8 +334,8 @@ class KvEventSubscriber:
                 if ctrl in ready and ctrl.recv() == b"stop":
                     return
                 for sock in ready:
-                    p = by_sock.get(sock)
-                    if p is None:
+                    pub = by_sock.get(sock)
+                    if pub is None:
                         continue
                     # Drain what is queued, bounded so one busy stream cannot starve the others.
                     for _ in range(1024):
@@ -348,9 +343,9 @@ class KvEventSubscriber:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(p, frames)
+                        self._on_message(pub, frames)
                 self._expire_idle()
-        except BaseException as exc:  # noqa: BLE001 - surfaced by stop() and stats()
+        except BaseException as exc:
             log.exception("kvroute KV-event subscriber thread failed")
             self._thread_error = exc
             with self._lock:
@@ -405,12 +400,15 @@ class KvEventSubscriber:
             self._clear(p)
             p.last_seq = -1
         first = p.last_seq is None
-        expected = 0 if first else p.last_seq + 1
+        # After a restart last_seq is -1: the new stream's history is missing, but nothing we
+        # hold is stale, so that is neither a gap nor a reason to resync.
+        had_state = p.last_seq is not None and p.last_seq >= 0
+        expected = 0 if p.last_seq is None else p.last_seq + 1
         if seq > expected and (not first or (self._replay_on_connect and p.replay_endpoint)):
-            if not first and p.last_seq >= 0:
+            if had_state:
                 self._count(gaps=1)
             complete, batches = self._replay(p, expected, seq)
-            if not complete and not first and p.last_seq >= 0:
+            if not complete and had_state:
                 # The missing batches are gone: what this worker holds is unknown, start over.
                 self._count(resyncs=1)
                 self._clear(p)
@@ -468,9 +466,7 @@ class KvEventSubscriber:
             self._clear(p)
         else:
             p.applied_to.add(w)
-            self._count(
-                batches=1, events=ev, skipped_events=skipped, blocks_stored=stored, blocks_removed=removed, orphan_blocks=orphans
-            )
+            self._count(batches=1, events=ev, skipped_events=skipped, blocks_stored=stored, blocks_removed=removed, orphan_blocks=orphans)
         with self._lock:
             p.last_seq = seq
             p.last_event = time.monotonic()

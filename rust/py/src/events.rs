@@ -2,21 +2,28 @@
 //! Decoding and applying run in the core with the GIL released.
 
 use kvroute_core::events::ApplyStats;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::convert::{check_block_size, extract_u64};
+use crate::errors::KvrouteError;
 use crate::index::PyKvIndex;
 
 pyo3::create_exception!(
     kvroute,
     EventError,
-    PyValueError,
+    KvrouteError,
     "A KV-event batch payload was malformed (the message names the field and the problem); nothing of it was applied."
 );
 
 /// Decodes and applies one batch payload to `worker + data_parallel_rank`.
-pub fn apply(idx: &PyKvIndex, py: Python<'_>, worker: &Bound<'_, PyAny>, payload: &[u8], block_size: i64, seed: u64) -> PyResult<ApplyStats> {
+pub fn apply(
+    idx: &PyKvIndex,
+    py: Python<'_>,
+    worker: &Bound<'_, PyAny>,
+    payload: &[u8],
+    block_size: i64,
+    seed: u64,
+) -> PyResult<ApplyStats> {
     let w = extract_u64(worker, "worker")?;
     let bs = check_block_size(block_size)?;
     let inner = &idx.inner;
