@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute._core import EventError, KvIndex
+from kvroute._core import KvIndex, KvrouteError
 
 try:
     import zmq
@@ -460,7 +460,7 @@ class KvEventSubscriber:
             w, ev, skipped, stored, removed, orphans, _unknown = self._index._apply_event_batch_stats(
                 p.base, payload, block_size=self._block_size, seed=self._seed
             )
-        except EventError as exc:
+        except KvrouteError as exc:  # EventError, or IndexCapacityError after a partial apply
             self._error(f"worker {p.worker} seq {seq}: {exc}")
             self._count(resyncs=1)
             self._clear(p)

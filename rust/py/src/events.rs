@@ -1,11 +1,11 @@
 //! Live KV events: `KvIndex.apply_event_batch` and the `kvroute.EventError` it raises.
 //! Decoding and applying run in the core with the GIL released.
 
-use kvroute_core::events::ApplyStats;
+use kvroute_core::events::{ApplyStats, EventError as CoreEventError};
 use pyo3::prelude::*;
 
 use crate::convert::{check_block_size, extract_u64};
-use crate::errors::KvrouteError;
+use crate::errors::{IndexCapacityError, KvrouteError};
 use crate::index::PyKvIndex;
 
 pyo3::create_exception!(
@@ -27,5 +27,8 @@ pub fn apply(
     let w = extract_u64(worker, "worker")?;
     let bs = check_block_size(block_size)?;
     let inner = &idx.inner;
-    py.detach(|| inner.apply_event_batch(w, payload, bs, seed)).map_err(|e| EventError::new_err(e.to_string()))
+    py.detach(|| inner.apply_event_batch(w, payload, bs, seed)).map_err(|e| match e {
+        CoreEventError::Capacity { .. } => IndexCapacityError::new_err(e.to_string()),
+        e => EventError::new_err(e.to_string()),
+    })
 }

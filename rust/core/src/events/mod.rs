@@ -50,8 +50,8 @@ use crate::index::{KvIndex, Tier, WorkerId};
 /// Mixed into an unknown parent's engine hash to make the orphan anchor (see the module docs).
 pub const ORPHAN_ANCHOR: u64 = 0x6f72_7068_616e_0b1c;
 
-/// Why an event batch was rejected. Nothing of a rejected batch is applied.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why an event batch was rejected. Nothing of a rejected batch is applied, except on `Capacity`.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum EventError {
     #[error("truncated payload: ran out of bytes reading {at} (byte {offset})")]
     Truncated { at: String, offset: usize },
@@ -81,6 +81,10 @@ pub enum EventError {
     InvalidBlockSize(usize),
     #[error("worker id {worker} + data_parallel_rank {rank} overflows u64")]
     WorkerOverflow { worker: u64, rank: u32 },
+    /// The index is out of room. Unlike every other error this one comes while applying: the
+    /// first `applied` events of the batch took effect (callers should resync the worker).
+    #[error("{source} (after applying {applied} events of the batch)")]
+    Capacity { applied: usize, source: crate::index::IndexError },
 }
 
 /// What one applied batch did.
@@ -265,7 +269,7 @@ impl KvIndex {
                             held.entry(seq).or_insert([0; 3])[t] += 1;
                         }
                     }
-                    self.store(w, seqs, parent_seq, *tier);
+                    self.store(w, seqs, parent_seq, *tier).map_err(|source| EventError::Capacity { applied: st.events, source })?;
                     st.blocks_stored += seqs.len();
                     st.events += 1;
                 }
