@@ -250,16 +250,20 @@ fn read_tokens(r: &mut Reader<'_>, i: usize, out: &mut DecodedBatch) -> Result<R
     let n = r.array_len().map_err(|e| raw(e, Path::Event(i, "token_ids"), p))?;
     let start = out.tokens.len();
     out.tokens.reserve(n.min(r_remaining(r)));
-    for j in 0..n {
+    loop {
+        let done = out.tokens.len() - start;
+        let Err(j) = r.u32s(n - done, &mut out.tokens) else { break };
+        // Off the fast path: an unusual encoding of a valid id, or a bad value to name.
+        let j = done + j;
         let p = r.pos;
-        let t = match r.int() {
-            Ok(Int::U(v)) if v <= u32::MAX as u64 => v as u32,
+        match r.int() {
+            Ok(Int::U(v)) if v <= u32::MAX as u64 => out.tokens.push(v as u32),
+            Ok(Int::I(v)) if (0..=u32::MAX as i64).contains(&v) => out.tokens.push(v as u32),
             Ok(_) => {
                 return Err(EventError::OutOfRange { at: Path::Item(i, "token_ids", j).render(), what: "a token id in 0..=4294967295" })
             }
             Err(e) => return Err(raw(e, Path::Item(i, "token_ids", j), p)),
-        };
-        out.tokens.push(t);
+        }
     }
     Ok(start..out.tokens.len())
 }

@@ -206,6 +206,42 @@ impl<'a> Reader<'a> {
         Ok(v)
     }
 
+    /// Appends `n` unsigned ints that fit u32 (token ids) to `out`. On failure returns the index
+    /// of the bad element, with the reader left at it, so the caller can name it.
+    #[inline]
+    pub(crate) fn u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), usize> {
+        let buf = self.buf;
+        let mut pos = self.pos;
+        for j in 0..n {
+            // Token ids are almost always fixints or uint16/uint32: decode those inline.
+            let v = match buf.get(pos) {
+                Some(&m @ 0x00..=0x7f) => {
+                    pos += 1;
+                    m as u32
+                }
+                Some(0xcc) if pos + 1 < buf.len() => {
+                    pos += 2;
+                    buf[pos - 1] as u32
+                }
+                Some(0xcd) if pos + 2 < buf.len() => {
+                    pos += 3;
+                    u16::from_be_bytes([buf[pos - 2], buf[pos - 1]]) as u32
+                }
+                Some(0xce) if pos + 4 < buf.len() => {
+                    pos += 5;
+                    u32::from_be_bytes([buf[pos - 4], buf[pos - 3], buf[pos - 2], buf[pos - 1]])
+                }
+                _ => {
+                    self.pos = pos;
+                    return Err(j);
+                }
+            };
+            out.push(v);
+        }
+        self.pos = pos;
+        Ok(())
+    }
+
     /// A float or an int, as f64 (timestamps).
     pub(crate) fn number(&mut self) -> Result<f64, RawError> {
         match self.peek()? {

@@ -279,6 +279,24 @@ fn malformed_batches_are_rejected_whole_with_a_named_problem() {
 }
 
 #[test]
+fn token_ids_in_any_int_encoding_decode_alike() {
+    // uint64 and int64 encodings of small ids (msgspec picks the smallest; others may not).
+    let mut p = vec![0x92, 0x00, 0x91, 0x85];
+    for (k, v) in [("type", &b"\xabBlockStored"[..]), ("block_hashes", &[0x91, 0x07][..]), ("block_size", &[0x04][..])] {
+        p.push(0xa0 | k.len() as u8);
+        p.extend_from_slice(k.as_bytes());
+        p.extend_from_slice(v);
+    }
+    p.extend_from_slice(
+        b"\xa9token_ids\x94\x01\xcf\x00\x00\x00\x00\x00\x00\x01\x00\xd3\x00\x00\x00\x00\x00\x00\x00\x03\xce\x00\x01\x00\x00",
+    );
+    p.extend_from_slice(b"\xa6medium\xc0");
+    let idx = KvIndex::new(None);
+    idx.apply_event_batch(1, &p, BS, DEFAULT_SEED).unwrap();
+    assert_eq!(idx.find_matches(&seqs(&[1, 256, 3, 65536]), ANY_TIER).get(1), Some(1));
+}
+
+#[test]
 fn skip_rejects_deep_nesting_without_recursion() {
     let mut p = vec![0x92, 0x00, 0x91, 0x82, 0xa1, b'z'];
     p.extend(std::iter::repeat_n(0x91, 100));
