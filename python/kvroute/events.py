@@ -218,7 +218,9 @@ class KvEventSubscriber:
             t = self._thread
             if t is None:
                 return
-            self._ctrl_send.send(b"stop")
+            # Non-blocking: if the thread already died its end is closed, and a PAIR send would wait.
+            with contextlib.suppress(zmq.Again):
+                self._ctrl_send.send(b"stop", zmq.NOBLOCK)
             t.join(timeout)
             if t.is_alive():
                 raise TimeoutError(f"KvEventSubscriber thread did not stop within {timeout} s")
