@@ -86,6 +86,16 @@ def test_map_shaped_batch_is_accepted():
     assert idx.match(seq_hashes(toks)) == {0: 1}
 
 
+def test_blocks_of_another_size_are_skipped_not_failed():
+    idx = kvroute.KvIndex()
+    toks = list(range(16))
+    chunk = VllmBlockStored([7], None, toks, 16, None, "CPU", None)  # e.g. a connector's 16-token chunk
+    st = idx._apply_event_batch_stats(0, vbatch([chunk, vstored([8], None, toks[:4])]), block_size=BS)
+    assert st[1:4] == (1, 1, 1)  # events, skipped, blocks_stored
+    assert idx.match_tiers(seq_hashes(toks))["host"] == {}
+    assert idx.match(seq_hashes(toks)) == {0: 1}
+
+
 def test_unknown_parent_is_tracked_but_never_matches():
     idx = kvroute.KvIndex()
     toks = list(range(12))
@@ -103,9 +113,9 @@ def _error_cases():
     return {
         "unknown event type": (msgspec.msgpack.encode([1.0, [msgspec.to_builtins(good), {"type": "BlockMoved"}], 0]), "BlockMoved"),
         "token count": (vbatch([good, vstored([3], 2, toks[:3])]), "3 token ids for 1 blocks of 4 tokens; expected 4"),
-        "block size": (
-            msgspec.msgpack.encode(VllmEventBatch(1.0, [VllmBlockStored([3], None, toks, 8, None, "GPU", None)], 0)),
-            "block_size 8",
+        "token count at its own block size": (
+            msgspec.msgpack.encode(VllmEventBatch(1.0, [VllmBlockStored([3], None, toks[:4], 8, None, "GPU", None)], 0)),
+            "4 token ids for 1 blocks of 8 tokens; expected 8",
         ),
         "truncated": (full[:-2], "truncated"),
         "garbage": (b"\xc1\x00\x01", "expected array or map"),

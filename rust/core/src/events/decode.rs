@@ -21,7 +21,8 @@ pub enum DecodedEvent {
         tier: Tier,
     },
     Cleared,
-    /// An event for a KV-cache group other than the first (hybrid models); see the module docs.
+    /// An event for a KV-cache group other than the first (hybrid models), or a `BlockStored` of
+    /// blocks of another size than the router's; see the module docs.
     Skipped,
 }
 
@@ -76,8 +77,9 @@ fn raw(e: RawError, at: Path, offset: usize) -> EventError {
     }
 }
 
-/// Decodes `payload` into `out` (cleared first). `block_size` is the router's block size: every
-/// `BlockStored` must declare it and carry exactly `len(block_hashes) * block_size` token ids.
+/// Decodes `payload` into `out` (cleared first). Every `BlockStored` must carry exactly
+/// `len(block_hashes) * block_size` token ids (its own `block_size`); those whose `block_size` is not
+/// the router's `block_size` decode as `Skipped`.
 pub fn decode_batch(payload: &[u8], block_size: usize, out: &mut DecodedBatch) -> Result<(), EventError> {
     out.clear();
     let mut r = Reader::new(payload);
@@ -329,12 +331,18 @@ fn finish(i: usize, kind: Kind, f: Fields, block_size: usize) -> Result<DecodedE
             let hashes = f.hashes.ok_or(missing("block_hashes"))?;
             let tokens = f.tokens.ok_or(missing("token_ids"))?;
             let bs = f.block_size.ok_or(missing("block_size"))?;
-            if bs != block_size as u64 {
-                return Err(EventError::BlockSize { at: Path::Event(i, "block_size").render(), got: bs, expected: block_size });
+            if bs == 0 {
+                return Err(EventError::OutOfRange { at: Path::Event(i, "block_size").render(), what: "a block size >= 1" });
             }
             let blocks = hashes.len();
-            if tokens.len() as u64 != blocks as u64 * bs {
+            if tokens.len() as u128 != blocks as u128 * bs as u128 {
+                let block_size = bs as usize;
                 return Err(EventError::TokenCount { at: Path::Event(i, "token_ids").render(), tokens: tokens.len(), blocks, block_size });
+            }
+            if bs != block_size as u64 {
+                // Blocks of another size (e.g. a KV connector's chunks sharing the batch) cannot
+                // be keyed in a tree of `block_size` blocks: skipped and counted.
+                return Ok(DecodedEvent::Skipped);
             }
             Ok(DecodedEvent::Stored { hashes, parent: f.parent.flatten(), tokens, tier })
         }

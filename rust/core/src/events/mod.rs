@@ -27,8 +27,10 @@
 //! apply to worker `worker + rank`: give each engine a base worker id and leave the next
 //! `dp_size - 1` ids free for its other ranks.
 //!
-//! Hybrid models. Events carrying a `group_idx` other than 0 (a second KV-cache group, e.g. the
-//! sliding-window layers) are skipped: the index tracks the prefix of the first group only.
+//! Skipped events (counted, not applied). Events carrying a `group_idx` other than 0 (a second
+//! KV-cache group of a hybrid model, e.g. the sliding-window layers): the index tracks the first
+//! group's prefix. `BlockStored` events whose `block_size` is not the router's (e.g. a KV
+//! connector's chunks published in the same batch): a tree of one block size cannot key them.
 
 mod decode;
 mod msgpack;
@@ -71,8 +73,6 @@ pub enum EventError {
     BadHash { at: String, len: usize },
     #[error("{at}: out of range, expected {what}")]
     OutOfRange { at: String, what: &'static str },
-    #[error("{at}: block_size {got} differs from the router's block_size {expected}")]
-    BlockSize { at: String, got: u64, expected: usize },
     #[error("{at}: {tokens} token ids for {blocks} blocks of {block_size} tokens; expected {}", blocks * block_size)]
     TokenCount { at: String, tokens: usize, blocks: usize, block_size: usize },
     #[error("{len}-byte payload, but the batch ends at byte {offset}: trailing bytes")]
@@ -94,7 +94,7 @@ pub struct ApplyStats {
     pub worker: WorkerId,
     /// Events applied (skipped ones excluded).
     pub events: usize,
-    /// Events skipped (`group_idx` other than 0).
+    /// Events skipped (`group_idx` other than 0, or blocks of another size).
     pub skipped: usize,
     pub blocks_stored: usize,
     pub blocks_removed: usize,

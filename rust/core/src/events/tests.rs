@@ -215,6 +215,23 @@ fn group_idx_nonzero_is_skipped() {
 }
 
 #[test]
+fn blocks_of_another_size_are_skipped() {
+    let idx = KvIndex::new(None);
+    let t = toks(0, 16);
+    let st = idx
+        .apply_event_batch(
+            1,
+            &batch(vec![stored_map(&[1], None, &t, 16, Some("CPU")), stored_map(&[2], None, &t[..4], 4, None)], 0),
+            BS,
+            DEFAULT_SEED,
+        )
+        .unwrap();
+    assert_eq!((st.events, st.skipped, st.blocks_stored), (1, 1, 1));
+    assert_eq!(idx.num_blocks(1), 1);
+    assert_eq!(idx.engine_hashes(1), 1);
+}
+
+#[test]
 fn clear_and_remove_worker_drop_the_engine_map() {
     let idx = KvIndex::new(None);
     let t = toks(0, 8);
@@ -248,8 +265,10 @@ fn malformed_batches_are_rejected_whole_with_a_named_problem() {
     assert!(e.to_string().contains("events[1]"), "{e}");
     let e = err(&batch(vec![good.clone(), stored_map(&[7], None, &t[..3], 4, None)], 0));
     assert!(matches!(e, EventError::TokenCount { tokens: 3, blocks: 1, block_size: 4, .. }), "{e}");
-    let e = err(&batch(vec![stored_map(&[7], None, &t[..8], 8, None)], 0));
-    assert!(matches!(e, EventError::BlockSize { got: 8, expected: 4, .. }), "{e}");
+    let e = err(&batch(vec![good.clone(), stored_map(&[7], None, &t[..4], 8, None)], 0));
+    assert!(matches!(e, EventError::TokenCount { tokens: 4, blocks: 1, block_size: 8, .. }), "{e}");
+    let e = err(&batch(vec![stored_map(&[7], None, &[], 0, None)], 0));
+    assert!(matches!(e, EventError::OutOfRange { .. }), "{e}");
     let e = err(&batch(vec![good.clone(), removed_map(&[5], Some("TAPE"))], 0));
     assert!(matches!(e, EventError::UnknownMedium { .. }), "{e}");
     let full = batch(vec![good.clone()], 0);
