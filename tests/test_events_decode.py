@@ -225,3 +225,26 @@ def test_fuzz_mutated_engine_payloads(which, flips, cut):
 def test_fuzz_structured_msgpack(obj):
     _check_atomic(msgspec.msgpack.encode([1.0, [obj], 0]))
     _check_atomic(msgspec.msgpack.encode(obj))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([("vllm", "int"), ("vllm", "bytes"), ("vllm-legacy", "int"), ("sglang", "signed")]),
+    st.integers(2, 30),
+    st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=24), min_size=1, max_size=40),
+    st.sets(st.integers(0, 39), max_size=2),
+)
+def test_index_mirrors_the_engine_cache_for_random_workloads(flavor, capacity, prompts, clear_at):
+    """Applying an engine's batches in order leaves the index holding exactly its cached blocks."""
+    eng = FakeEngine(flavor[0], block_size=BS, capacity=capacity, hash_form=flavor[1], dp_rank=1)
+    idx = kvroute.KvIndex()
+    for i, toks in enumerate(prompts):
+        ev = eng.process(toks)
+        if i in clear_at:
+            ev += eng.clear()
+        idx.apply_event_batch(4, eng.encode(ev), block_size=BS)
+    prefixes = eng.cached_prefixes()
+    assert idx.num_blocks(5) == len(prefixes)
+    for prefix in prefixes:
+        h = seq_hashes(list(prefix))
+        assert idx.match(h).get(5) == len(h)
