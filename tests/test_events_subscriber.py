@@ -274,5 +274,7 @@ def test_constructor_validation():
         KvEventSubscriber(idx, {0: "tcp://127.0.0.1:1"}, replay_endpoints={1: "tcp://127.0.0.1:2"})
     with pytest.raises(TypeError, match="KvIndex"):
         KvEventSubscriber(object(), {0: "tcp://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="must be a ZMQ endpoint"):
+        KvEventSubscriber(idx, {0: "localhost:5557"})
     with pytest.raises(ValueError, match="idle_timeout"):
         KvEventSubscriber(idx, {0: "tcp://127.0.0.1:1"}, idle_timeout=0)

@@ -155,6 +155,10 @@ class KvEventSubscriber:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
         replay_endpoints = dict(replay_endpoints or {})
+        for what, eps in (("endpoints", endpoints), ("replay_endpoints", replay_endpoints)):
+            for w, ep in eps.items():
+                if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                    raise ValueError(f"{what}[{w}] must be a ZMQ endpoint like 'tcp://host:5557', got {ep!r}")
         unknown = set(replay_endpoints) - set(endpoints)
         if unknown:
             raise ValueError(f"replay_endpoints names workers without an endpoint: {sorted(unknown)}")
@@ -202,12 +206,19 @@ class KvEventSubscriber:
             if self._thread is not None:
                 return self
             self._ctx = zmq.Context()
-            ctrl_recv = self._ctx.socket(zmq.PAIR)
-            ctrl_recv.bind(self._ctrl_addr)
-            self._ctrl_send = self._ctx.socket(zmq.PAIR)
-            self._ctrl_send.connect(self._ctrl_addr)
-            for p in self._pubs:
-                p.sock = self._sub_socket(p.endpoint)
+            try:
+                ctrl_recv = self._ctx.socket(zmq.PAIR)
+                ctrl_recv.bind(self._ctrl_addr)
+                self._ctrl_send = self._ctx.socket(zmq.PAIR)
+                self._ctrl_send.connect(self._ctrl_addr)
+                for p in self._pubs:
+                    p.sock = self._sub_socket(p.endpoint)
+            except BaseException:
+                for p in self._pubs:
+                    p.sock = None
+                self._ctx.destroy(linger=0)
+                self._ctx = None
+                raise
             self._thread = threading.Thread(target=self._run, args=(ctrl_recv,), name="kvroute-events", daemon=True)
             self._thread.start()
         return self
