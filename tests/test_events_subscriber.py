@@ -237,15 +237,15 @@ def test_asyncio_usage(ctx):
 
 def test_data_parallel_ranks_expand_endpoints_and_map_to_workers(ctx):
     pubs = [ctx.publisher() for _ in range(2)]
-    # Pick a base port whose +1 is the second publisher's port is not controllable: check the rule
-    # on its own, then run each rank's stream through explicit endpoints.
+    # Random test ports can't sit at base+1, so check the engines' offset rule on its own and run
+    # each rank's stream through an explicit endpoint.
     assert rank_endpoint("tcp://host:5557", 3) == "tcp://host:5560"
     assert rank_endpoint("inproc://cache", 2) == "inproc://cache_dp2"
     with pytest.raises(ValueError, match="space base worker ids"):
         KvEventSubscriber(kvroute.KvIndex(), {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:9"}, data_parallel_size=2)
     engs = [FakeEngine("vllm", block_size=BS, capacity=100, dp_rank=r) for r in range(2)]
     idx = kvroute.KvIndex()
-    # Rank r's events land on base + r; here base 20 for both streams' engine.
+    # Rank r's events land on base + r: rank 0 under base 20 -> worker 20, rank 1 under base 30 -> 31.
     with KvEventSubscriber(idx, {20: pubs[0].endpoint, 30: pubs[1].endpoint}, block_size=BS) as sub:
         for p in pubs:
             p.wait_for_subscriber()
