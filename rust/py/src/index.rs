@@ -116,6 +116,30 @@ impl PyKvIndex {
         Ok(d)
     }
 
+    /// Decodes one vLLM/SGLang KV-event batch payload (the msgpack frame after topic and seq)
+    /// and applies it to worker `worker + data_parallel_rank`. `block_size`/`seed` are the
+    /// router's. The whole batch is validated first: on `EventError` nothing was applied.
+    /// Returns the number of events applied.
+    #[pyo3(signature = (worker, payload, *, block_size, seed = 1337))]
+    fn apply_event_batch(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, payload: &[u8], block_size: i64, seed: u64) -> PyResult<usize> {
+        crate::events::apply(self, py, worker, payload, block_size, seed).map(|s| s.events)
+    }
+
+    /// `apply_event_batch` returning (worker, events, skipped, blocks_stored, blocks_removed,
+    /// orphan_blocks, unknown_removals); used by `kvroute.events`.
+    #[pyo3(signature = (worker, payload, *, block_size, seed = 1337))]
+    fn _apply_event_batch_stats(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        payload: &[u8],
+        block_size: i64,
+        seed: u64,
+    ) -> PyResult<(u64, usize, usize, usize, usize, usize, usize)> {
+        let s = crate::events::apply(self, py, worker, payload, block_size, seed)?;
+        Ok((s.worker, s.events, s.skipped, s.blocks_stored, s.blocks_removed, s.orphan_blocks, s.unknown_removals))
+    }
+
     /// Registered worker ids.
     fn workers(&self) -> Vec<u64> {
         self.inner.workers()

@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod events;
 mod index;
 mod router;
 mod sim;
@@ -65,5 +66,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NUM_SHARDS", kvroute_core::index::NUM_SHARDS)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     router::register(m)?;
+    m.add("EventError", m.py().get_type::<events::EventError>())?;
     Ok(())
 }

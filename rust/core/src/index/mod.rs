@@ -119,6 +119,8 @@ pub struct KvIndex {
     /// Direct-mapped hint: chain tail hash -> shard, so continuation stores skip probing.
     hint: Box<[AtomicU64]>,
     counters: Counters,
+    /// Engine block hash -> sequence hash, per worker, for live KV events (`crate::events`).
+    pub(crate) engine_maps: crate::events::EngineMaps,
 }
 
 const HINT_SLOTS: usize = 1 << 14;
@@ -150,6 +152,7 @@ impl KvIndex {
             awaiting_len: AtomicUsize::new(0),
             hint: (0..HINT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             counters: Counters::default(),
+            engine_maps: Default::default(),
         }
     }
 
@@ -476,6 +479,12 @@ impl KvIndex {
 
     /// The worker dropped its whole cache. Returns the entries removed (0 for an unknown worker).
     pub fn clear(&self, worker: WorkerId) -> usize {
+        self.engine_maps.forget(worker);
+        self.clear_blocks(worker)
+    }
+
+    /// `clear` without dropping the worker's engine map (the event path resets that itself).
+    pub(crate) fn clear_blocks(&self, worker: WorkerId) -> usize {
         let Some((_reg, slot)) = self.existing_slot(worker) else { return 0 };
         self.clear_slot(slot)
     }
@@ -492,6 +501,7 @@ impl KvIndex {
 
     /// Forgets a worker entirely. Returns the entries removed (0 for an unknown worker).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
+        self.engine_maps.forget(worker);
         let mut reg = self.registry.write();
         let Some(slot) = reg.slot_of.remove(&worker) else { return 0 };
         let entries = self.clear_slot(slot);
