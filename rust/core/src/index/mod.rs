@@ -116,6 +116,8 @@ pub struct KvIndex {
     /// Parent hash -> orphan roots waiting for it, as (shard, node).
     awaiting: Mutex<HashMap<u64, Vec<(u32, u32)>>>,
     awaiting_len: AtomicUsize,
+    /// `awaiting_len` right after the last sweep of stale entries.
+    awaiting_swept: AtomicUsize,
     /// Direct-mapped hint: chain tail hash -> shard, so continuation stores skip probing.
     hint: Box<[AtomicU64]>,
     counters: Counters,
@@ -150,6 +152,7 @@ impl KvIndex {
             evicting: Mutex::new(()),
             awaiting: Mutex::new(HashMap::new()),
             awaiting_len: AtomicUsize::new(0),
+            awaiting_swept: AtomicUsize::new(0),
             hint: (0..HINT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             counters: Counters::default(),
             engine_maps: Default::default(),
@@ -289,6 +292,7 @@ impl KvIndex {
         let mut new_entries = 0;
         let mut created = 0usize;
         let mut linked: Vec<u64> = Vec::new();
+        let mut new_orphan = None;
         let waiting = self.awaiting_len.load(Relaxed) > 0;
         let mut guess = u32::MAX;
         let mut full = false;
@@ -316,9 +320,7 @@ impl KvIndex {
                     if prev == ORPHAN {
                         let p = parent_hash.expect("orphan has a parent hash");
                         g.orphan_parent.insert(i, p);
-                        let mut aw = self.awaiting.lock();
-                        aw.entry(p).or_default().push((s as u32, i));
-                        self.awaiting_len.fetch_add(1, Relaxed);
+                        new_orphan = Some((p, i));
                     }
                     created += 1;
                     if waiting {
@@ -337,8 +339,11 @@ impl KvIndex {
         drop(g);
         self.nodes.fetch_add(created, Relaxed);
         self.remember_shard(*hashes.last().unwrap(), s);
-        for h in linked {
-            self.adopt_orphans(h, s);
+        if !linked.is_empty() {
+            self.adopt_orphans(&linked, s);
+        }
+        if let Some((p, i)) = new_orphan {
+            self.await_parent(p, s, i, slot);
         }
         drop(_reg);
         self.maybe_evict();
@@ -348,14 +353,52 @@ impl KvIndex {
         Ok(new_entries)
     }
 
-    /// Hangs the orphan chains that were waiting for parent `h` (now in shard `s`) under it.
-    fn adopt_orphans(&self, h: u64, s: usize) {
-        let Some(list) = ({
+    /// Registers orphan root `i` of shard `s` as waiting for parent `p`. Registration happens after
+    /// the shard lock is released (lock order: a shard is never held while taking `awaiting`), so
+    /// a parent stored meanwhile is looked for once more here. Stale entries (orphans deleted
+    /// since) are swept when the list has doubled since the last sweep, so it cannot grow without
+    /// bound under event streams that orphan chains permanently.
+    fn await_parent(&self, p: u64, s: usize, i: u32, slot: u32) {
+        let len = {
             let mut aw = self.awaiting.lock();
-            aw.remove(&h)
-        }) else {
-            return;
+            aw.entry(p).or_default().push((s as u32, i));
+            self.awaiting_len.fetch_add(1, Relaxed) + 1
         };
+        if let Some(ps) = self.locate(p, Some(slot), None) {
+            self.adopt_orphans(&[p], ps);
+        }
+        if len > 1024 && len > 2 * self.awaiting_swept.load(Relaxed) {
+            self.sweep_awaiting();
+        }
+    }
+
+    /// Drops waiting entries whose orphan root no longer exists.
+    fn sweep_awaiting(&self) {
+        let mut aw = self.awaiting.lock();
+        aw.retain(|&p, list| {
+            list.retain(|&(s, i)| {
+                let g = self.shard(s as usize).read();
+                g.is_live(i) && g.node(i).parent == ORPHAN && g.orphan_parent.get(&i) == Some(&p)
+            });
+            !list.is_empty()
+        });
+        let live = aw.values().map(Vec::len).sum();
+        self.awaiting_len.store(live, Relaxed);
+        self.awaiting_swept.store(live, Relaxed);
+    }
+
+    /// Hangs the orphan chains that were waiting for any of `created` (now in shard `s`) under it.
+    fn adopt_orphans(&self, created: &[u64], s: usize) {
+        let found: Vec<(u64, Vec<(u32, u32)>)> = {
+            let mut aw = self.awaiting.lock();
+            created.iter().filter_map(|h| aw.remove(h).map(|l| (*h, l))).collect()
+        };
+        for (h, list) in found {
+            self.adopt_list(h, s, list);
+        }
+    }
+
+    fn adopt_list(&self, h: u64, s: usize, list: Vec<(u32, u32)>) {
         self.awaiting_len.fetch_sub(list.len(), Relaxed);
         for (os, oi) in list {
             let os = os as usize;

@@ -1,4 +1,5 @@
 use super::*;
+use std::sync::atomic::Ordering::Relaxed;
 
 fn chain(start: u64, n: usize) -> Vec<u64> {
     (0..n as u64).map(|i| start * 1_000_003 + i + 1).collect()
@@ -222,4 +223,29 @@ fn concurrent_readers_and_writers() {
     assert_eq!(st.nodes as usize, idx.len());
     let total: u64 = (0..8).map(|w| idx.num_blocks(w)).sum();
     assert_eq!(total, st.entries);
+}
+
+#[test]
+fn permanent_orphans_do_not_grow_the_waiting_list() {
+    let idx = KvIndex::new(None);
+    for k in 0..5000u64 {
+        let c = chain(50_000 + k, 3);
+        // Parent hash that will never be stored (an event stream that lost it for good).
+        idx.store(1, &c[1..], Some(u64::MAX - k), Tier::Device).unwrap();
+        idx.remove(1, &c[1..], ANY_TIER);
+    }
+    assert!(idx.is_empty());
+    assert!(idx.awaiting_len.load(Relaxed) <= 2048, "{}", idx.awaiting_len.load(Relaxed));
+    assert!(idx.awaiting.lock().values().map(Vec::len).sum::<usize>() <= 2048);
+}
+
+#[test]
+fn orphan_adopted_when_parent_arrives_in_between() {
+    // The parent exists in another shard by the time the orphan registers: adopted at once.
+    let idx = KvIndex::new(None);
+    let c = chain(77, 4);
+    idx.store(2, &c[..2], None, Tier::Device).unwrap();
+    idx.store(2, &c[2..], Some(c[1]), Tier::Device).unwrap();
+    assert_eq!(depth(&idx, &c, 2), Some(4));
+    assert_eq!(idx.awaiting_len.load(Relaxed), 0);
 }
