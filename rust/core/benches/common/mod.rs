@@ -6,16 +6,15 @@ pub struct Session {
     pub seq: Vec<u64>,
 }
 
-/// splitmix64: a deterministic stream without extra dependencies.
-pub struct Rng(pub u64);
+/// The router's SplitMix64, plus a bounded draw for the workload.
+pub struct Rng(kvroute_core::router::policy::Rng);
 
 impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(kvroute_core::router::policy::Rng::new(seed))
+    }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n
@@ -23,7 +22,7 @@ impl Rng {
 }
 
 pub fn chat_workload(workers: u64, target_entries: usize, seed: u64) -> Vec<Session> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let systems: Vec<Vec<u64>> = (0..300).map(|_| (0..32).map(|_| rng.next_u64()).collect()).collect();
     let mut out = Vec::new();
     let mut entries = 0;
