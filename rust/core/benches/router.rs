@@ -14,7 +14,7 @@ fn bench_route(c: &mut Criterion) {
     let sessions = chat_workload(64, 1_000_000, 3);
     let index = std::sync::Arc::new(KvIndex::new(None));
     build(&index, &sessions, 64);
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let prompt: Vec<u32> = (0..8192).map(|_| rng.next_u64() as u32).collect();
     let prompt_hashes = sequence_hashes(&prompt[..6016], 64, DEFAULT_SEED, None);
     for w in [5, 21, 50] {
