@@ -5,16 +5,18 @@ inside one event loop; every scenario runs under a hard timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
 import kvroute
+import pytest
 from aiohttp import web
-from kvroute.gateway import GATEWAY_KEY, Gateway, create_app
+from kvroute.gateway.app import Gateway, gateway_app, make_gateway
 from kvroute.gateway.mock import MockWorker, Rendezvous
 
-__all__ = ["Cluster", "MockWorker", "Rendezvous", "assert_no_leak", "poll", "run"]
+__all__ = ["Cluster", "MockWorker", "Rendezvous", "assert_no_leak", "http_server", "poll", "run"]
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
@@ -43,6 +45,8 @@ class Cluster:
     session, ``c.gw`` the Gateway, ``c.mocks`` the engines.
     """
 
+    default_server = "aiohttp"  # set per test by the ``http_server`` fixture
+
     def __init__(
         self,
         n: int = 2,
@@ -53,12 +57,14 @@ class Cluster:
         mock: dict[str, Any] | None = None,
         rendezvous: Rendezvous | None = None,
         kv_events_for: dict[int, str] | None = None,
+        server: str | None = None,
         **gateway: Any,
     ) -> None:
         self.n, self.n_prefill, self.n_decode = n, prefill, decode
         self.router_kw = router or {}
         self.mock_kw = mock or {}
         self.rendezvous = rendezvous
+        self.server = server or Cluster.default_server
         self.kv_events_for = kv_events_for or {}  # mock index -> KV-event endpoint, resolved once the mocks listen
         self.gateway_kw = {"health_interval": 0.05, "connect_timeout": 2.0, **gateway}
         self.mocks: list[MockWorker] = []
@@ -80,28 +86,44 @@ class Cluster:
         if self.kv_events_for:
             self.gateway_kw["kv_events"] = {self.mocks[i].url: ep for i, ep in self.kv_events_for.items()}
         self.router = kvroute.Router(**self.router_kw)
-        self.app = create_app(
+        self._gw = make_gateway(
             self.router, workers, prefill=[m.url for m in self.prefill], decode=[m.url for m in self.decode], **self.gateway_kw
         )
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        assert site._server is not None
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        if self.server == "lean":
+            from kvroute.gateway.server import serve_lean
+
+            up: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self._lean = asyncio.ensure_future(serve_lean(self._gw, "127.0.0.1", 0, up.set_result))
+            done, _ = await asyncio.wait((up, self._lean), return_when=asyncio.FIRST_COMPLETED)
+            if self._lean in done:
+                self._lean.result()  # raises the startup error
+            self.url = up.result()
+        else:
+            self.app = gateway_app(self._gw)
+            self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            assert site._server is not None
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.url = f"http://127.0.0.1:{port}"
         self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.close()
-        await self.runner.cleanup()
+        if self.server == "lean":
+            self._lean.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lean
+        else:
+            await self.runner.cleanup()
         for m in self.mocks:
             await m.stop()
 
     @property
     def gw(self) -> Gateway:
-        return self.app[GATEWAY_KEY]
+        return self._gw
 
     def worker_id(self, mock: MockWorker) -> int:
         return next(w.id for w in self.gw.workers.values() if w.url == mock.url)
@@ -123,3 +145,12 @@ def assert_no_leak(c: Cluster) -> None:
         assert load["in_flight"] == 0 and load["prefilling"] == 0 and load["decoding"] == 0, (wid, load)
     assert all(w.in_flight == 0 for w in gw.workers.values()), [w.to_dict() for w in gw.workers.values()]
     assert gw._in_flight == 0 and not gw._client_active
+
+
+@pytest.fixture(params=["aiohttp", "lean"], autouse=False)
+def http_server(request: pytest.FixtureRequest) -> Any:
+    """Runs a test once per HTTP server the gateway can sit on (import it into a test module and
+    mark the module ``pytestmark = pytest.mark.usefixtures("http_server")``)."""
+    Cluster.default_server = request.param
+    yield request.param
+    Cluster.default_server = "aiohttp"

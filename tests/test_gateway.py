@@ -13,9 +13,18 @@ import pytest
 pytest.importorskip("aiohttp")
 
 import aiohttp
-from gateway_harness import Cluster, MockWorker, assert_no_leak, poll, run
+from gateway_harness import (
+    Cluster,
+    MockWorker,
+    assert_no_leak,
+    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
+    poll,
+    run,
+)
 from kvroute.gateway import GatewayConfig
 from kvroute.gateway.metrics import parse_engine_metrics
+
+pytestmark = pytest.mark.usefixtures("http_server")
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1 KB shared prefix
 

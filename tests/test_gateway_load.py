@@ -11,7 +11,14 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from gateway_harness import Cluster, assert_no_leak, run
+from gateway_harness import (
+    Cluster,
+    assert_no_leak,
+    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
+    run,
+)
+
+pytestmark = pytest.mark.usefixtures("http_server")
 
 N, RATE = 2000, 200.0
 

@@ -13,8 +13,17 @@ import pytest
 pytest.importorskip("aiohttp")
 
 import kvroute
-from gateway_harness import Cluster, Rendezvous, assert_no_leak, poll, run
+from gateway_harness import (
+    Cluster,
+    Rendezvous,
+    assert_no_leak,
+    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
+    poll,
+    run,
+)
 from kvroute.gateway.prompt import ApproxCache, ApproxPrompter, ExactPrompter
+
+pytestmark = pytest.mark.usefixtures("http_server")
 
 CHAT = {"messages": [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "why is the sky blue?"}], "max_tokens": 6}
 

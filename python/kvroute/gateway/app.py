@@ -27,7 +27,7 @@ from kvroute.gateway.metrics import GatewayMetrics, parse_engine_metrics
 from kvroute.gateway.prompt import ApproxCache, BadRequest, ExactPrompter, Prompter, load_prompter
 from kvroute.gateway.upstream import UpstreamPool, UpstreamResponse
 
-__all__ = ["GATEWAY_KEY", "Gateway", "GatewayConfig", "WorkerConfig", "create_app"]
+__all__ = ["GATEWAY_KEY", "Gateway", "GatewayConfig", "WorkerConfig", "create_app", "gateway_app", "make_gateway"]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -525,7 +525,8 @@ class Gateway:
         try:
             if buffered:
                 return web.Response(body=first, status=up.status, headers=headers)
-            resp = web.StreamResponse(status=up.status, headers=headers)
+            lean = getattr(request, "kvroute_stream", None)  # kvroute.gateway.server's requests
+            resp = lean(up.status, headers) if lean is not None else web.StreamResponse(status=up.status, headers=headers)
             await resp.prepare(request)
             if first:
                 await resp.write(first)
@@ -722,6 +723,51 @@ class Gateway:
 GATEWAY_KEY = web.AppKey("kvroute_gateway", Gateway)
 
 
+def make_gateway(
+    router: Router,
+    workers: Iterable[str | WorkerConfig] = (),
+    *,
+    prefill: Iterable[str | WorkerConfig] = (),
+    decode: Iterable[str | WorkerConfig] = (),
+    config: GatewayConfig | None = None,
+    **options: Any,
+) -> Gateway:
+    """The gateway's state around ``router`` (which must not have these workers yet), to serve with
+    ``gateway_app`` (aiohttp) or ``kvroute.gateway.server.serve_lean``.
+
+    ``workers`` are unified engines; ``prefill``/``decode`` make a PD deployment. ``options`` are
+    GatewayConfig fields.
+    """
+    if config is not None and options:
+        raise TypeError("give config or keyword options, not both")
+    cfg = config or GatewayConfig(**options)
+
+    def spec(w: str | WorkerConfig, role: str) -> WorkerConfig:
+        if isinstance(w, WorkerConfig):
+            return w if w.role == role else replace(w, role=role)
+        return WorkerConfig(url=w, role=role)
+
+    all_workers = [spec(w, "both") for w in workers] + [spec(w, "prefill") for w in prefill] + [spec(w, "decode") for w in decode]
+    return Gateway(router, all_workers, cfg)
+
+
+def gateway_app(gw: Gateway) -> web.Application:
+    """An aiohttp application serving ``gw``."""
+    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[gw.admin_auth])
+    app[GATEWAY_KEY] = gw
+    app.router.add_post("/v1/completions", gw.handle_completions)
+    app.router.add_post("/v1/chat/completions", gw.handle_chat)
+    app.router.add_get("/v1/models", gw.handle_models)
+    app.router.add_get("/health", gw.handle_health)
+    app.router.add_get("/metrics", gw.handle_metrics)
+    app.router.add_get("/admin/workers", gw.admin_list)
+    app.router.add_post("/admin/workers", gw.admin_add)
+    app.router.add_delete("/admin/workers/{worker:.+}", gw.admin_remove)
+    app.on_startup.append(gw.start)
+    app.on_cleanup.append(gw.stop)
+    return app
+
+
 def create_app(
     router: Router,
     workers: Iterable[str | WorkerConfig] = (),
@@ -737,27 +783,4 @@ def create_app(
     GatewayConfig fields. Run it with ``web.run_app(app, handler_cancellation=True)`` so a client
     that disconnects cancels its upstream request at once (``kvroute serve`` does).
     """
-    if config is not None and options:
-        raise TypeError("give config or keyword options, not both")
-    cfg = config or GatewayConfig(**options)
-
-    def spec(w: str | WorkerConfig, role: str) -> WorkerConfig:
-        if isinstance(w, WorkerConfig):
-            return w if w.role == role else replace(w, role=role)
-        return WorkerConfig(url=w, role=role)
-
-    all_workers = [spec(w, "both") for w in workers] + [spec(w, "prefill") for w in prefill] + [spec(w, "decode") for w in decode]
-    gw = Gateway(router, all_workers, cfg)
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[gw.admin_auth])
-    app[GATEWAY_KEY] = gw
-    app.router.add_post("/v1/completions", gw.handle_completions)
-    app.router.add_post("/v1/chat/completions", gw.handle_chat)
-    app.router.add_get("/v1/models", gw.handle_models)
-    app.router.add_get("/health", gw.handle_health)
-    app.router.add_get("/metrics", gw.handle_metrics)
-    app.router.add_get("/admin/workers", gw.admin_list)
-    app.router.add_post("/admin/workers", gw.admin_add)
-    app.router.add_delete("/admin/workers/{worker:.+}", gw.admin_remove)
-    app.on_startup.append(gw.start)
-    app.on_cleanup.append(gw.stop)
-    return app
+    return gateway_app(make_gateway(router, workers, prefill=prefill, decode=decode, config=config, **options))

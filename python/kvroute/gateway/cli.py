@@ -5,6 +5,7 @@ Registered on the ``kvroute`` command by ``add_serve_parser``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -88,6 +89,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     s.add_argument("--health-interval", type=float, default=2.0, help="probe period of unhealthy workers (seconds)")
     s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
+    s.add_argument(
+        "--http-server",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="lean: kvroute's own HTTP/1.1 server (less CPU per request); aiohttp: aiohttp's",
+    )
     s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="auto: uvloop when installed")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
@@ -95,9 +102,16 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def build_app(a: argparse.Namespace) -> Any:
-    """The aiohttp application ``kvroute serve`` runs, from parsed arguments."""
+    """The aiohttp application serving ``build_gateway(a)``."""
+    from kvroute.gateway.app import gateway_app
+
+    return gateway_app(build_gateway(a))
+
+
+def build_gateway(a: argparse.Namespace) -> Any:
+    """The Gateway ``kvroute serve`` runs, from parsed arguments."""
     from kvroute import Router
-    from kvroute.gateway.app import GatewayConfig, WorkerConfig, create_app
+    from kvroute.gateway.app import GatewayConfig, WorkerConfig, make_gateway
 
     kv_events = _mapping(a.kv_events, "--kv-events")
     block_size = a.block_size or (16 if kv_events else 64)
@@ -134,7 +148,7 @@ def build_app(a: argparse.Namespace) -> Any:
         metrics_interval=a.metrics_interval,
         models=tuple(a.model),
     )
-    return create_app(
+    return make_gateway(
         router,
         [WorkerConfig(u, prefill_tokens_per_s=tps) for u in a.worker],
         prefill=prefill,
@@ -144,17 +158,15 @@ def build_app(a: argparse.Namespace) -> Any:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        app = build_app(a)
-    except (argparse.ArgumentTypeError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"kvroute serve: error: {e}", file=sys.stderr, flush=True)
-        return 2
     import asyncio
     import importlib
 
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        gw = build_gateway(a)
+    except (argparse.ArgumentTypeError, ValueError, TypeError, FileNotFoundError) as e:
+        print(f"kvroute serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     loop = None
     if a.event_loop != "asyncio":
         try:  # uvloop, when installed, makes the proxy path cheaper
@@ -165,14 +177,54 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 return 2
     loop = loop or asyncio.new_event_loop()
 
-    async def freeze(_app: web.Application) -> None:
+    def freeze() -> None:
         # Startup objects (modules, app, router) never die: keep them out of the cyclic GC's scans,
         # which otherwise show up as tail latency.
         gc.collect()
         gc.freeze()
 
-    app.on_startup.append(freeze)
-    web.run_app(app, host=a.host, port=a.port, handler_cancellation=True, access_log=None, loop=loop, print=lambda m: print(m, flush=True))
+    if a.http_server == "aiohttp":
+        from aiohttp import web
+
+        from kvroute.gateway.app import gateway_app
+
+        async def on_startup(_app: web.Application) -> None:
+            freeze()
+
+        app = gateway_app(gw)
+        app.on_startup.append(on_startup)
+        web.run_app(
+            app, host=a.host, port=a.port, handler_cancellation=True, access_log=None, loop=loop, print=lambda m: print(m, flush=True)
+        )
+        return 0
+    return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze))
+
+
+async def _serve_lean(gw: Any, host: str, port: int, freeze: Any) -> int:
+    import asyncio
+    import signal
+
+    from kvroute.gateway.server import serve_lean
+
+    def ready(url: str) -> None:
+        freeze()
+        print(f"======== kvroute gateway on {url} ========", flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = asyncio.ensure_future(serve_lean(gw, host, port, ready))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if server.done():
+        exc = server.exception()
+        print(f"kvroute serve: error: {exc!r}", file=sys.stderr, flush=True)
+        return 1
+    server.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await server
     return 0
 
 
