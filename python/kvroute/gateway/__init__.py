@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute.gateway.app import GATEWAY_KEY, Gateway, GatewayConfig, WorkerConfig, create_app
+    from kvroute.gateway.app import GATEWAY_KEY, Gateway, GatewayConfig, WorkerConfig, create_app, gateway_app, make_gateway
     from kvroute.gateway.prompt import ApproxPrompter, BadRequest, ExactPrompter, Prompt
 
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "Prompt",
     "WorkerConfig",
     "create_app",
+    "gateway_app",
+    "make_gateway",
 ]
 
 _FROM = {"ApproxPrompter": "prompt", "BadRequest": "prompt", "ExactPrompter": "prompt", "Prompt": "prompt"}
