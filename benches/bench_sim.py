@@ -20,24 +20,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import seed_reference
 from kvroute.sim import ClusterConfig, load_trace, seed_chat, simulate
+from kvroute.sim.trace import MOONCAKE_TRACE, find_shared_dir
 
 SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
 
 
-def _find_shared() -> str:
-    """``$KVROUTE_SHARED``, else the nearest ``shared/`` beside the repository or one of its parents."""
-    if "KVROUTE_SHARED" in os.environ:
-        return os.environ["KVROUTE_SHARED"]
-    d = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    while True:
-        cand = os.path.join(os.path.dirname(d), "shared")
-        if os.path.isdir(os.path.join(cand, "traces")) or os.path.dirname(d) == d:
-            return cand
-        d = os.path.dirname(d)
-
-
-SHARED = _find_shared()
-MOONCAKE = os.path.join(SHARED, "traces", "mooncake_conversation_trace.jsonl")
+_SHARED = find_shared_dir(os.path.dirname(os.path.abspath(__file__)))
+MOONCAKE = os.path.join(_SHARED, MOONCAKE_TRACE) if _SHARED else ""
 
 
 def kvroute_seed_table():
@@ -75,7 +64,7 @@ def test_seed_table_vs_seed_script():
     assert t_ref / med >= 10
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="../shared/traces (the Mooncake trace) is not available")
+@pytest.mark.skipif(not (MOONCAKE and os.path.exists(MOONCAKE)), reason="../shared/traces (the Mooncake trace) is not available")
 def test_mooncake_trace_per_policy():
     from kvroute import POLICIES
 

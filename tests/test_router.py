@@ -170,7 +170,8 @@ def test_slack_parameters_are_configurable():
 
 
 def test_size_aware_admission_turns_away_expensive_requests_first():
-    r = make("slack", n=1, ttft_slo=2.0)
+    # shed_load_threshold=0, shed_load_ramp=0: size-aware admission at any load.
+    r = make("slack", n=1, ttft_slo=2.0, shed_load_threshold=0.0, shed_load_ramp=0.0)
     assert r.config["admission_work_factor"] == 2.0  # the default policy's default
     assert make("ttft").config["admission_work_factor"] == 0.0  # the seed's rule elsewhere
     cached = prompt(30, 8192)
@@ -181,8 +182,44 @@ def test_size_aware_admission_turns_away_expensive_requests_first():
     assert (d.admitted, d.reason, d.predicted_ttft) == (False, "rejected_ttft", pytest.approx(1.9))
     assert r.route(cached, now=0.0).admitted  # 192 uncached tokens: fits
     # On an idle worker any prompt is admissible, however long.
-    r2 = make("slack", n=1, ttft_slo=2.0)
+    r2 = make("slack", n=1, ttft_slo=2.0, shed_load_threshold=0.0, shed_load_ramp=0.0)
     assert r2.route(prompt(32, 30000), now=0.0).admitted
+
+
+def test_below_capacity_a_long_prompt_that_keeps_the_slo_is_admitted():
+    r = make("slack", n=1, ttft_slo=2.0)
+    assert (r.config["shed_load_threshold"], r.config["shed_load_ramp"], r.config["load_window_s"]) == (1.0, 1.0, 10.0)
+    r.observe(0, queue_delay=1.5, now=0.0)
+    d = r.route(prompt(31, 8000), now=0.0)  # 1.9 s predicted: keeps the 2 s SLO
+    assert d.admitted and d.predicted_ttft == pytest.approx(1.9)
+    assert r.offered_load(now=0.0) == pytest.approx(8000 / 10.0 / SPEED)  # one prompt over a 10 s window
+
+
+def test_overload_turns_size_aware_admission_on():
+    r = make("slack", n=1, ttft_slo=2.0)
+    for k in range(50):  # 50 uncached 8000-token prompts in 1 s: ~1.9x the worker's capacity
+        r.route(prompt(100 + k, 8000), now=k / 50)
+    assert 1.5 < r.offered_load(now=1.0) < 2.0
+    r.observe(0, queue_delay=1.5, now=1.0)
+    d = r.route(prompt(31, 8000), now=1.0)
+    assert (d.admitted, d.reason) == (False, "rejected_ttft")  # 1.9 + ~1.8 * min(0.4, 1.5) > 2
+    assert r.route(prompt(32, 200), now=1.0).admitted  # cheap requests still fit
+    assert r.offered_load(now=61.0) < 0.01  # the estimate decays
+
+
+@pytest.mark.parametrize("kw", [{"shed_load_threshold": -1.0}, {"shed_load_ramp": float("nan")}, {"load_window_s": 0.0}])
+def test_bad_load_gate_settings_are_rejected(kw):
+    with pytest.raises(ValueError):
+        Router(**kw)
+
+
+def test_random_policy_draws_like_the_seeds_random_random():
+    import random
+
+    r = make("random", n=8, seed=1)
+    draw = random.Random(1).randrange
+    p = prompt(5, 64)
+    assert [r.route(p, now=float(k)).worker for k in range(300)] == [draw(8) for _ in range(300)]
 
 
 # ---- ties -------------------------------------------------------------------------------

@@ -47,3 +47,12 @@ def test_all_seed_rows(workload):
         assert got == expect, (rate, policy, reject)
         assert res.requests == SEED_COUNTS[rate]
         assert res.tie_break == "lowest"
+
+
+def test_random_row_from_the_routers_own_generator(workload):
+    """`Router(policy="random", seed=1)` draws CPython's `randrange` itself, so the seed's random
+    row comes out without handing the choice in (`python_random=False`: no `worker=` pin)."""
+    rate = workload.meta["rate"]
+    res = simulate(workload, "random", tie_break="lowest", seed=1, python_random=False, progress=False)
+    got = (f"{res.hit_rate:.1%}", f"{res.ttft_p50:.2f}", f"{res.ttft_p99:.2f}", f"{res.attainment:.1%}", None)
+    assert got == SEED_TABLE[(rate, "random", False)]

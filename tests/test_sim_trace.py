@@ -6,23 +6,10 @@ import os
 import numpy as np
 import pytest
 from kvroute.sim import ClusterConfig, load_trace, records_to_workload, simulate, synthetic_trace, write_trace
-from kvroute.sim.trace import SHAPES, TraceFormatError
+from kvroute.sim.trace import MOONCAKE_TRACE, SHAPES, TraceFormatError, find_shared_dir
 
-
-def _find_shared() -> str:
-    """``$KVROUTE_SHARED``, else the nearest ``shared/`` beside the repository or one of its parents."""
-    if "KVROUTE_SHARED" in os.environ:
-        return os.environ["KVROUTE_SHARED"]
-    d = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-    while True:
-        cand = os.path.join(os.path.dirname(d), "shared")
-        if os.path.isdir(os.path.join(cand, "traces")) or os.path.dirname(d) == d:
-            return cand
-        d = os.path.dirname(d)
-
-
-SHARED = _find_shared()
-MOONCAKE = os.path.join(SHARED, "traces", "mooncake_conversation_trace.jsonl")
+_SHARED = find_shared_dir(os.path.dirname(os.path.abspath(__file__)))
+MOONCAKE = os.path.join(_SHARED, MOONCAKE_TRACE) if _SHARED else ""
 
 
 def test_round_trip_and_prefix_chaining(tmp_path):
@@ -125,7 +112,7 @@ def test_replay_synthetic_trace(shape):
     assert res["ttft"].hit_rate >= res["least_load"].hit_rate
 
 
-@pytest.mark.skipif(not os.path.exists(MOONCAKE), reason="../shared/traces (the Mooncake trace) is not available")
+@pytest.mark.skipif(not (MOONCAKE and os.path.exists(MOONCAKE)), reason="../shared/traces (the Mooncake trace) is not available")
 def test_mooncake_trace_loads_and_replays():
     w = load_trace(MOONCAKE)
     assert len(w) == 12031

@@ -188,6 +188,9 @@ class Router:
         tpot_slo: float | None = None,
         reject: bool = True,
         admission_work_factor: float | None = None,
+        shed_load_threshold: float = 1.0,
+        shed_load_ramp: float = 1.0,
+        load_window_s: float | None = None,
         cache_threshold: float = 0.3,
         balance_abs_threshold: float = 64.0,
         balance_rel_threshold: float = 1.5,
@@ -253,6 +256,7 @@ class Router:
     def policy(self) -> str: ...
     @property
     def config(self) -> dict[str, object]: ...
+    def offered_load(self, now: float | None = None) -> float: ...
     def clock(self) -> float: ...
 
 # ---- simulator (rust/py/src/sim.rs) ----------------------------------------------------------

@@ -16,6 +16,25 @@ import numpy as np
 from kvroute import _core
 from kvroute.sim.workload import Workload
 
+#: Where the project keeps the public Mooncake trace, relative to its shared data folder.
+MOONCAKE_TRACE = os.path.join("traces", "mooncake_conversation_trace.jsonl")
+
+
+def find_shared_dir(start: str | os.PathLike[str]) -> str | None:
+    """``$KVROUTE_SHARED``, else the nearest ``shared/`` folder holding ``traces/`` beside ``start``
+    or one of its parents; ``None`` where there is none (a fresh clone has no shared data)."""
+    if "KVROUTE_SHARED" in os.environ:
+        return os.environ["KVROUTE_SHARED"]
+    d = os.path.abspath(start)
+    while True:
+        cand = os.path.join(os.path.dirname(d), "shared")
+        if os.path.isdir(os.path.join(cand, "traces")):
+            return cand
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+
+
 __all__ = ["MOONCAKE_BLOCK", "SHAPES", "load_trace", "records_to_workload", "synthetic_trace", "write_trace"]
 
 #: Tokens per hash id in Mooncake's released traces.

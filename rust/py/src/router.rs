@@ -89,6 +89,7 @@ impl PyRouter {
     #[new]
     #[pyo3(signature = (
         *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
+        shed_load_threshold = 1.0, shed_load_ramp = 1.0, load_window_s = None,
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001,
@@ -104,6 +105,9 @@ impl PyRouter {
         tpot_slo: Option<f64>,
         reject: bool,
         admission_work_factor: Option<f64>,
+        shed_load_threshold: f64,
+        shed_load_ramp: f64,
+        load_window_s: Option<f64>,
         cache_threshold: f64,
         balance_abs_threshold: f64,
         balance_rel_threshold: f64,
@@ -137,6 +141,9 @@ impl PyRouter {
             tpot_slo,
             reject,
             admission_work_factor,
+            shed_load_threshold,
+            shed_load_ramp,
+            load_window_s,
             cache_threshold,
             balance_abs_threshold,
             balance_rel_threshold,
@@ -318,6 +325,9 @@ impl PyRouter {
         d.set_item("tpot_slo", c.tpot_slo)?;
         d.set_item("reject", c.reject)?;
         d.set_item("admission_work_factor", c.admission_factor())?;
+        d.set_item("shed_load_threshold", c.shed_load_threshold)?;
+        d.set_item("shed_load_ramp", c.shed_load_ramp)?;
+        d.set_item("load_window_s", c.load_window())?;
         d.set_item("cache_threshold", c.cache_threshold)?;
         d.set_item("balance_abs_threshold", c.balance_abs_threshold)?;
         d.set_item("balance_rel_threshold", c.balance_rel_threshold)?;
@@ -337,6 +347,13 @@ impl PyRouter {
         d.set_item("optimistic_insert", c.optimistic_insert)?;
         d.set_item("hash_seed", c.hash_seed)?;
         Ok(d)
+    }
+
+    /// Offered prefill load as a fraction of the prefill pool's capacity, decayed to `now`: the
+    /// signal that switches size-aware admission on (see `shed_load_threshold`).
+    #[pyo3(signature = (now = None))]
+    fn offered_load(&self, now: Option<f64>) -> PyResult<f64> {
+        self.inner.offered_load(now).map_err(to_py)
     }
 
     /// Seconds on the router's default clock (since it was created).

@@ -83,6 +83,18 @@ pub struct RouterConfig {
     /// (cached) ones; an idle worker still takes any prompt. 0: predicted TTFT <= SLO (the seed's rule).
     /// None: the policy's default (2 for "slack", 0 for the others).
     pub admission_work_factor: Option<f64>,
+    /// Size-aware admission is for overload only: the factor applies in full while the offered
+    /// prefill load (uncached tokens per second of the arriving requests, at their cheapest
+    /// worker, over the pool's prefill capacity; see `load_window_s`) is at least
+    /// `shed_load_threshold + shed_load_ramp`, not at all below `shed_load_threshold`, and
+    /// linearly in between. Below capacity every request the prediction admits is served, so
+    /// turning long prompts away buys nothing. 0 and 0: always in full.
+    pub shed_load_threshold: f64,
+    /// See `shed_load_threshold`.
+    pub shed_load_ramp: f64,
+    /// Time constant (seconds) of the offered-load estimate (an exponentially decaying average).
+    /// None: 5 x `ttft_slo`, or 10 s without one — a few SLOs, the horizon a queue lives for.
+    pub load_window_s: Option<f64>,
     /// Early rejection: a request predicted to miss an SLO (or with no decode room) is not admitted.
     pub reject: bool,
     /// "cache_aware": route to the best-overlap worker when matched tokens / prompt tokens exceed this.
@@ -137,6 +149,9 @@ impl Default for RouterConfig {
             tpot_slo: None,
             reject: true,
             admission_work_factor: None,
+            shed_load_threshold: 1.0,
+            shed_load_ramp: 1.0,
+            load_window_s: None,
             cache_threshold: 0.3,
             balance_abs_threshold: 64.0,
             balance_rel_threshold: 1.5,
@@ -178,6 +193,23 @@ impl RouterConfig {
         self.admission_work_factor.unwrap_or(if self.policy == "slack" { 2.0 } else { 0.0 })
     }
 
+    /// Time constant of the offered-load estimate, seconds.
+    pub fn load_window(&self) -> f64 {
+        self.load_window_s.unwrap_or(self.ttft_slo.map_or(10.0, |s| 5.0 * s))
+    }
+
+    /// The admission factor in force at offered load `rho` (fraction of prefill capacity).
+    pub fn admission_factor_at(&self, rho: f64) -> f64 {
+        let f = self.admission_factor();
+        if f == 0.0 || rho >= self.shed_load_threshold + self.shed_load_ramp {
+            return f;
+        }
+        if rho < self.shed_load_threshold {
+            return 0.0;
+        }
+        f * (rho - self.shed_load_threshold) / self.shed_load_ramp
+    }
+
     pub fn validate(&self) -> Result<(), RouterError> {
         check(self.block_size >= 1, || format!("block_size must be >= 1, got {}", self.block_size))?;
         check(super::policy::POLICIES.contains(&self.policy.as_str()), || {
@@ -198,6 +230,11 @@ impl RouterConfig {
         finite_nonneg("pressure_weight", self.pressure_weight)?;
         if let Some(f) = self.admission_work_factor {
             finite_nonneg("admission_work_factor", f)?;
+        }
+        finite_nonneg("shed_load_threshold", self.shed_load_threshold)?;
+        finite_nonneg("shed_load_ramp", self.shed_load_ramp)?;
+        if let Some(w) = self.load_window_s {
+            check(w.is_finite() && w > 0.0, || format!("load_window_s must be a finite number > 0 seconds, got {w}"))?;
         }
         check((0.0..1.0).contains(&self.slo_margin), || format!("slo_margin must be in [0, 1), got {}", self.slo_margin))?;
         finite_nonneg("kv_headroom", self.kv_headroom)?;

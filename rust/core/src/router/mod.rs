@@ -77,6 +77,10 @@ struct State {
     rotation: u64,
     rr: u64,
     rng: Rng,
+    py_rng: crate::sim::PyRandom,
+    /// Offered prefill load: decaying average of arriving uncached tokens per second.
+    offered_rate: f64,
+    offered_at: Option<f64>,
 }
 
 #[derive(Default)]
@@ -125,6 +129,9 @@ impl Router {
                 rotation: 0,
                 rr: 0,
                 rng,
+                py_rng: crate::sim::PyRandom::new(cfg.seed),
+                offered_rate: 0.0,
+                offered_at: None,
             }),
             epoch: Instant::now(),
             cfg,
@@ -476,6 +483,7 @@ impl Router {
             let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer);
             st.cands.push(c);
         }
+        let rho = Self::record_offered(st, cfg, now, num_tokens);
         if st.cands.is_empty() && decode_filtered == 0 {
             return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
         }
@@ -508,16 +516,17 @@ impl Router {
         let (c, reason) = match chosen {
             Some(x) => x,
             None => {
-                let State { cands, rotation, rr, rng, .. } = st;
+                let State { cands, rotation, rr, rng, py_rng, .. } = st;
                 let mut ctx = Ctx {
                     tie_break: cfg.tie_break,
                     rotation,
                     rr,
                     rng,
+                    py_rng,
                     num_tokens,
                     block_size: cfg.block_size,
                     ttft_slo: cfg.ttft_slo,
-                    admission_work_factor: cfg.admission_factor(),
+                    admission_work_factor: cfg.admission_factor_at(rho),
                 };
                 let (mut i, mut reason) = match pinned {
                     Some(_) => (0, Reason::Pinned),
@@ -525,7 +534,7 @@ impl Router {
                 };
                 // Early rejection: the policy's choice misses the SLO -> the fastest worker, if any keeps it.
                 if let (true, Some(slo)) = (cfg.reject, cfg.ttft_slo) {
-                    let f = cfg.admission_factor();
+                    let f = ctx.admission_work_factor;
                     let adm = |c: &Candidate| admission_ttft(c, f);
                     if adm(&cands[i]) > slo {
                         let best = pick_min(&mut ctx, cands, |_| true, |c| (adm(c), c.predicted_ttft)).expect("non-empty");
@@ -608,6 +617,34 @@ impl Router {
             request_id: req.request_id,
             explain: req.explain.then(|| st.cands.iter().map(WorkerBreakdown::from).collect()),
         })
+    }
+
+    /// Folds this arrival into the offered-load estimate and returns the load as a fraction of the
+    /// prefill pool's capacity. The request is counted at its cheapest candidate (the least it can
+    /// cost the cluster), admitted or not: rejected requests are offered load too.
+    fn record_offered(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> f64 {
+        let tokens = st.cands.iter().map(|c| c.uncached_tokens).min().unwrap_or(num_tokens);
+        let tau = cfg.load_window();
+        let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
+        st.offered_rate = st.offered_rate * (-dt / tau).exp() + tokens as f64 / tau;
+        st.offered_at = Some(st.offered_at.map_or(now, |t| t.max(now)));
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        if capacity > 0.0 {
+            st.offered_rate / capacity
+        } else {
+            0.0
+        }
+    }
+
+    /// The offered prefill load as a fraction of the prefill pool's capacity, decayed to `now`
+    /// (see `RouterConfig::shed_load_threshold`).
+    pub fn offered_load(&self, now: Option<f64>) -> Result<f64, RouterError> {
+        let now = self.now(now)?;
+        let st = self.state.lock();
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
+        let rate = st.offered_rate * (-dt / self.cfg.load_window()).exp();
+        Ok(if capacity > 0.0 { rate / capacity } else { 0.0 })
     }
 
     #[allow(clippy::too_many_arguments)]

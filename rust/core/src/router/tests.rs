@@ -381,3 +381,74 @@ fn concurrent_routes_account_every_request() {
     let work: f64 = r.workers().iter().map(|&w| r.load(w).unwrap().busy_until).sum();
     assert!((work - 1000.0 * 640.0 / 20000.0).abs() < 1e-9);
 }
+
+fn slack_router(cfg: RouterConfig) -> Router {
+    let r = Router::new(RouterConfig { ttft_slo: Some(2.0), ..cfg }, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r
+}
+
+#[test]
+fn admission_factor_ramps_with_offered_load() {
+    let cfg = RouterConfig { policy: "slack".into(), ..Default::default() };
+    assert_eq!((cfg.shed_load_threshold, cfg.shed_load_ramp), (1.0, 1.0));
+    assert_eq!(cfg.admission_factor_at(0.5), 0.0);
+    assert_eq!(cfg.admission_factor_at(1.0), 0.0);
+    assert_eq!(cfg.admission_factor_at(1.25), 0.5);
+    assert_eq!(cfg.admission_factor_at(2.0), 2.0);
+    assert_eq!(cfg.admission_factor_at(9.0), 2.0);
+    let always = RouterConfig { shed_load_threshold: 0.0, shed_load_ramp: 0.0, ..cfg.clone() };
+    assert_eq!(always.admission_factor_at(0.0), 2.0);
+    let ttft = RouterConfig { policy: "ttft".into(), ..Default::default() };
+    assert_eq!(ttft.admission_factor_at(5.0), 0.0);
+    assert_eq!(RouterConfig { ttft_slo: Some(2.0), ..Default::default() }.load_window(), 10.0);
+    assert_eq!(RouterConfig::default().load_window(), 10.0);
+    assert_eq!(RouterConfig { load_window_s: Some(3.0), ..Default::default() }.load_window(), 3.0);
+}
+
+#[test]
+fn long_prompt_that_keeps_the_slo_is_admitted_below_capacity() {
+    // One worker, queue 1.5 s, an uncached 8000-token prompt (0.4 s): predicted 1.9 s <= 2 s.
+    let big = prompt(31, 8000);
+    let r = slack_router(RouterConfig::default());
+    r.observe(0, Observed::default(), Some(1.5), Some(0.0)).unwrap();
+    let d = route(&r, &big, 0.0);
+    assert!(d.admitted, "{d:?}");
+    assert!((d.predicted_ttft - 1.9).abs() < 1e-9);
+    // The offered load is that one prompt over a 10 s window: 800 tokens/s of 20000.
+    assert!((r.offered_load(Some(0.0)).unwrap() - 0.04).abs() < 1e-12);
+    // Always-on size-aware admission (the previous rule) turns it away: 1.9 + 2 * min(0.4, 1.5) > 2.
+    let old = slack_router(RouterConfig { shed_load_threshold: 0.0, shed_load_ramp: 0.0, ..Default::default() });
+    old.observe(0, Observed::default(), Some(1.5), Some(0.0)).unwrap();
+    let d = route(&old, &big, 0.0);
+    assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
+}
+
+#[test]
+fn overload_switches_size_aware_admission_on() {
+    let r = slack_router(RouterConfig::default());
+    // 50 uncached 8000-token prompts in one second: 400k tokens over a 10 s window, ~1.9x capacity.
+    for k in 0..50 {
+        route(&r, &prompt(100 + k, 8000), k as f64 / 50.0);
+    }
+    let rho = r.offered_load(Some(1.0)).unwrap();
+    assert!(rho > 1.5 && rho < 2.0, "{rho}");
+    r.observe(0, Observed::default(), Some(1.5), Some(1.0)).unwrap();
+    let d = route(&r, &prompt(31, 8000), 1.0);
+    assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
+    // A cheap request still fits: 1.5 + 0.01 + 2 * 0.01 <= 2.
+    let d = route(&r, &prompt(32, 200), 1.0);
+    assert!(d.admitted);
+    // The estimate decays: a minute later the cluster counts as idle again.
+    assert!(r.offered_load(Some(61.0)).unwrap() < 0.01);
+}
+
+#[test]
+fn random_policy_draws_like_cpython_randrange() {
+    let r = router("random", TieBreak::Rotate, 8);
+    let mut py = crate::sim::PyRandom::new(0);
+    let p = prompt(5, 64);
+    for k in 0..200 {
+        assert_eq!(route(&r, &p, k as f64).worker, py.randbelow(8));
+    }
+}

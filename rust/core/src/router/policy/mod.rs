@@ -22,6 +22,8 @@ pub struct Ctx<'a> {
     pub rotation: &'a mut u64,
     pub rr: &'a mut u64,
     pub rng: &'a mut Rng,
+    /// CPython's `random.Random(seed)`, for "random" (`randrange(n)` per decision, as the seed draws).
+    pub py_rng: &'a mut crate::sim::PyRandom,
     pub num_tokens: u64,
     pub block_size: usize,
     pub ttft_slo: Option<f64>,
