@@ -308,9 +308,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
-    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan,serve}")
     _add_simulate(sub)
     _add_plan(sub)
+    from kvroute.gateway.cli import add_serve_parser  # the gateway's `serve` (needs the gateway extra only when run)
+
+    add_serve_parser(sub)
     a = parser.parse_args(argv)
     if not getattr(a, "func", None):
         parser.print_help()

@@ -1,0 +1,210 @@
+"""Routing overhead of ``kvroute serve`` (latency through the gateway minus direct to the engine)
+at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the same mocks in the same run.
+
+    python benches/bench_gateway.py [--rate 200] [--requests 2000] [--workers 8] [--prompt-tokens 4096]
+
+Processes: one mock-engine process (8 engines), the kvroute gateway, sglang-router (when installed), and
+this load generator. Rounds interleave direct / kvroute / sglang so machine noise hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of a process so far (Linux /proc; 0 elsewhere)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{what} not healthy after {timeout} s")
+
+
+def workload(n: int, prompt_tokens: int, seed: int) -> list[dict[str, object]]:
+    """Chat-like traffic: 64 shared prefixes of 3/4 of the prompt, each request with its own tail
+    (4 bytes of text per token, as the mocks and the approximate mode count)."""
+    rng = random.Random(seed)
+    nbytes = prompt_tokens * 4
+    prefixes = [(f"[system {g}] " + "".join(rng.choice("abcdefghij ") for _ in range(64))) * (nbytes * 3 // 4 // 75 + 1) for g in range(64)]
+    out = []
+    for i in range(n):
+        head = rng.choice(prefixes)[: nbytes * 3 // 4]
+        tail = (f" user turn {i}: " + "".join(rng.choice("klmnopqrstuvwxyz ") for _ in range(64))) * (nbytes // 4 // 80 + 1)
+        out.append({"model": "mock", "prompt": (head + tail)[:nbytes], "max_tokens": 8})
+    return out
+
+
+async def drive(session: aiohttp.ClientSession, urls: list[str], bodies: list[dict[str, object]], rate: float) -> tuple[list[float], int]:
+    """Open loop: request i leaves at start + i / rate; returns latencies (s) and failures."""
+    loop = asyncio.get_running_loop()
+    lat: list[float] = []
+    failures = 0
+    start = loop.time() + 0.05
+
+    async def one(i: int, body: dict[str, object]) -> None:
+        nonlocal failures
+        delay = start + i / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        try:
+            async with session.post(urls[i % len(urls)] + "/v1/completions", json=body) as r:
+                await r.read()
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if ok:
+            lat.append(time.perf_counter() - t0)
+        else:
+            failures += 1
+
+    await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+    return lat, failures
+
+
+async def main(a: argparse.Namespace) -> int:
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        mocks = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.gateway.mock", "--workers", str(a.workers)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        procs.append(mocks)
+        assert mocks.stdout is not None
+        urls = [mocks.stdout.readline().decode().strip() for _ in range(a.workers)]
+        if not all(u.startswith("http://") for u in urls):
+            raise RuntimeError(f"mock engines did not start: {urls}")
+
+        targets: dict[str, list[str]] = {"direct": urls}
+        pids: dict[str, int | None] = {"direct": None}
+        kv_port = free_port()
+        cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
+        for u in urls:
+            cmd += ["--worker", u]
+        kv = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        procs.append(kv)
+        await wait_healthy(f"http://127.0.0.1:{kv_port}", kv, "kvroute serve")
+        targets["kvroute"] = [f"http://127.0.0.1:{kv_port}"]
+        pids["kvroute"] = kv.pid
+
+        sgr = shutil.which("sglang-router")
+        if sgr and not a.no_sglang:
+            sg_port, prom_port = free_port(), free_port()
+            sg = subprocess.Popen(
+                [sgr, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(sg_port),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom_port), "--log-level", "error"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            procs.append(sg)
+            await wait_healthy(f"http://127.0.0.1:{sg_port}", sg, "sglang-router")
+            targets["sglang-router"] = [f"http://127.0.0.1:{sg_port}"]
+            pids["sglang-router"] = sg.pid
+        else:
+            print("sglang-router not installed (pip install sglang-router): peer column skipped", flush=True)
+
+        per_round = max(1, a.requests // a.rounds)
+        bodies = workload(per_round * a.rounds + a.warmup, a.prompt_tokens, seed=0)
+        lat: dict[str, list[float]] = {k: [] for k in targets}
+        fails: dict[str, int] = dict.fromkeys(targets, 0)
+        cpu: dict[str, float] = dict.fromkeys(targets, 0.0)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
+            for t in targets.values():  # warm-up: connections opened, caches filled
+                await drive(s, t, bodies[: a.warmup], a.rate)
+            for r in range(a.rounds):
+                chunk = bodies[a.warmup + r * per_round : a.warmup + (r + 1) * per_round]
+                for name, t in targets.items():
+                    c0 = cpu_seconds(pids[name])
+                    got, f = await drive(s, t, chunk, a.rate)
+                    cpu[name] += cpu_seconds(pids[name]) - c0
+                    lat[name] += got
+                    fails[name] += f
+
+        d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
+        print()
+        print(
+            f"{a.workers} mock engines, {a.prompt_tokens}-token prompts, {a.rate:g} req/s open loop, {per_round * a.rounds} requests per target"
+        )
+        print(f"{'target':<15}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'ovh p50 us':>12}{'ovh p99 us':>12}{'cpu/req us':>12}{'failed':>8}")
+        ovh: dict[str, tuple[float, float]] = {}
+        for name, xs in lat.items():
+            p50, p99 = pct(xs, 0.5), pct(xs, 0.99)
+            ovh[name] = ((p50 - d50) * 1e6, (p99 - d99) * 1e6)
+            o = "" if name == "direct" else f"{ovh[name][0]:>12.0f}{ovh[name][1]:>12.0f}{cpu[name] / len(xs) * 1e6:>12.0f}"
+            print(f"{name:<15}{p50 * 1e3:>9.3f}{p99 * 1e3:>9.3f}{statistics.fmean(xs) * 1e3:>9.3f}{o:>36}{fails[name]:>8}")
+        if "sglang-router" in ovh:
+            k, g = ovh["kvroute"], ovh["sglang-router"]
+            print(f"overhead ratio sglang-router / kvroute: p50 {g[0] / k[0]:.2f}x, p99 {g[1] / k[1]:.2f}x (>1: kvroute adds less)")
+            kc, gc_ = cpu["kvroute"] / len(lat["kvroute"]), cpu["sglang-router"] / len(lat["sglang-router"])
+            print(f"proxy CPU per request ratio sglang-router / kvroute: {gc_ / kc:.2f}x")
+        return 0 if not any(fails.values()) else 1
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--requests", type=int, default=2000, help="measured requests per target")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, sglang-router each round)")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
+    args = ap.parse_args()
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    sys.exit(uvloop.run(main(args)) if uvloop else asyncio.run(main(args)))

@@ -1,0 +1,241 @@
+"""``kvroute serve``: argument parsing for the gateway and the process that runs it.
+Registered on the ``kvroute`` command by ``add_serve_parser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_serve_parser", "build_app", "cmd_serve"]
+
+
+def _mapping(values: Sequence[str] | None, flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values or ():
+        url, sep, endpoint = v.partition("=")
+        if not sep or not url or not endpoint:
+            raise argparse.ArgumentTypeError(f"{flag} expects WORKER_URL=tcp://HOST:PORT, got {v!r}")
+        out[url.rstrip("/")] = endpoint
+    return out
+
+
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    from kvroute import POLICIES
+
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway in front of vLLM/SGLang workers",
+        description="Cache-aware OpenAI-compatible gateway: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics and an admin API (see docs/gateway.md).",
+    )
+    g = p.add_argument_group("workers")
+    g.add_argument("--worker", action="append", metavar="URL", default=[], help="unified engine base URL (repeatable)")
+    g.add_argument(
+        "--prefill",
+        action="append",
+        nargs="+",
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        default=[],
+        help="PD prefill engine URL, optionally followed by its SGLang bootstrap port (default 8998); repeatable",
+    )
+    g.add_argument("--decode", action="append", metavar="URL", default=[], help="PD decode engine URL (repeatable)")
+    g.add_argument(
+        "--pd-convention", choices=("vllm", "sglang"), default="vllm", help="PD handshake: vllm (kv_transfer_params) or sglang (bootstrap)"
+    )
+    g.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="engines' prefill speed the router assumes (default 20000)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--policy", choices=list(POLICIES), default=None, help="routing policy (default: the Router's default)")
+    r.add_argument("--ttft-slo", type=float, default=None, metavar="S", help="TTFT SLO in seconds; requests predicted to miss it get 429")
+    r.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="TPOT SLO in seconds")
+    r.add_argument("--no-reject", action="store_true", help="never reject early (route to the best worker even past the SLO)")
+    r.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: 16 with --kv-events, else 64); must equal the engines' with --kv-events",
+    )
+    r.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its directory, with tokenizer_config.json): exact token routing")
+    r.add_argument(
+        "--kv-events", action="append", metavar="WORKER_URL=tcp://HOST:PORT", help="subscribe to a worker's KV-event publisher (repeatable)"
+    )
+    r.add_argument(
+        "--kv-events-replay", action="append", metavar="WORKER_URL=tcp://HOST:PORT", help="the worker's KV-event replay endpoint"
+    )
+    r.add_argument(
+        "--approx-ttl", type=float, default=120.0, help="without KV events: seconds a routed prefix is assumed cached (default 120)"
+    )
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    s.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVROUTE_ADMIN_TOKEN"),
+        help="bearer token for /admin (default $KVROUTE_ADMIN_TOKEN; admin API off without it)",
+    )
+    s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body accepted (413 above)")
+    s.add_argument("--max-client-concurrency", type=int, default=256, help="concurrent requests per client (429 above)")
+    s.add_argument("--max-in-flight", type=int, default=10000, help="concurrent requests in total (429 above)")
+    s.add_argument("--client-key-header", default=None, help="header identifying the client (default: its IP address)")
+    s.add_argument("--max-retries", type=int, default=2, help="retries on another worker before any byte reached the client (default 2)")
+    s.add_argument("--connect-timeout", type=float, default=5.0)
+    s.add_argument("--read-timeout", type=float, default=600.0, help="longest upstream silence between chunks (seconds)")
+    s.add_argument("--health-interval", type=float, default=2.0, help="probe period of unhealthy workers (seconds)")
+    s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
+    s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
+    s.add_argument(
+        "--http-server",
+        choices=("lean", "aiohttp"),
+        default="lean",
+        help="lean: kvroute's own HTTP/1.1 server (less CPU per request); aiohttp: aiohttp's",
+    )
+    s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="auto: uvloop when installed")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def build_app(a: argparse.Namespace) -> Any:
+    """The aiohttp application serving ``build_gateway(a)``."""
+    from kvroute.gateway.app import gateway_app
+
+    return gateway_app(build_gateway(a))
+
+
+def build_gateway(a: argparse.Namespace) -> Any:
+    """The Gateway ``kvroute serve`` runs, from parsed arguments."""
+    from kvroute import Router
+    from kvroute.gateway.app import GatewayConfig, WorkerConfig, make_gateway
+
+    kv_events = _mapping(a.kv_events, "--kv-events")
+    block_size = a.block_size or (16 if kv_events else 64)
+    router_kw: dict[str, Any] = {"block_size": block_size, "ttft_slo": a.ttft_slo, "tpot_slo": a.tpot_slo, "reject": not a.no_reject}
+    if a.policy:
+        router_kw["policy"] = a.policy
+    router = Router(**router_kw)
+    tps = a.prefill_tokens_per_s
+    prefill = []
+    for spec in a.prefill:
+        if len(spec) > 2:
+            raise argparse.ArgumentTypeError(f"--prefill takes URL [BOOTSTRAP_PORT], got {spec}")
+        port = int(spec[1]) if len(spec) == 2 else None
+        prefill.append(WorkerConfig(spec[0], role="prefill", bootstrap_port=port, prefill_tokens_per_s=tps))
+    if bool(prefill) != bool(a.decode):
+        raise argparse.ArgumentTypeError("PD mode needs both --prefill and --decode workers")
+    if not (a.worker or prefill):
+        raise argparse.ArgumentTypeError("give at least one --worker, or --prefill and --decode workers")
+    cfg = GatewayConfig(
+        pd_convention=a.pd_convention,
+        tokenizer=a.tokenizer,
+        kv_events=kv_events,
+        kv_events_replay=_mapping(a.kv_events_replay, "--kv-events-replay"),
+        approx_ttl=a.approx_ttl,
+        admin_token=a.admin_token or None,  # an empty $KVROUTE_ADMIN_TOKEN means no admin API
+        max_body_bytes=a.max_body_bytes,
+        max_client_concurrency=a.max_client_concurrency,
+        max_in_flight=a.max_in_flight,
+        client_key_header=a.client_key_header,
+        max_retries=a.max_retries,
+        connect_timeout=a.connect_timeout,
+        read_timeout=a.read_timeout,
+        health_interval=a.health_interval,
+        metrics_interval=a.metrics_interval,
+        models=tuple(a.model),
+    )
+    return make_gateway(
+        router,
+        [WorkerConfig(u, prefill_tokens_per_s=tps) for u in a.worker],
+        prefill=prefill,
+        decode=[WorkerConfig(u, role="decode", prefill_tokens_per_s=tps) for u in a.decode],
+        config=cfg,
+    )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+    import importlib
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        gw = build_gateway(a)
+    except (argparse.ArgumentTypeError, ValueError, TypeError, FileNotFoundError) as e:
+        print(f"kvroute serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    loop = None
+    if a.event_loop != "asyncio":
+        try:  # uvloop, when installed, makes the proxy path cheaper
+            loop = importlib.import_module("uvloop").new_event_loop()
+        except ImportError:
+            if a.event_loop == "uvloop":
+                print("kvroute serve: error: --event-loop uvloop but uvloop is not installed", file=sys.stderr)
+                return 2
+    loop = loop or asyncio.new_event_loop()
+
+    def freeze() -> None:
+        # Startup objects (modules, app, router) never die: keep them out of the cyclic GC's scans,
+        # which otherwise show up as tail latency.
+        gc.collect()
+        gc.freeze()
+
+    if a.http_server == "aiohttp":
+        from aiohttp import web
+
+        from kvroute.gateway.app import gateway_app
+
+        async def on_startup(_app: web.Application) -> None:
+            freeze()
+
+        app = gateway_app(gw)
+        app.on_startup.append(on_startup)
+        web.run_app(
+            app, host=a.host, port=a.port, handler_cancellation=True, access_log=None, loop=loop, print=lambda m: print(m, flush=True)
+        )
+        return 0
+    return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze))
+
+
+async def _serve_lean(gw: Any, host: str, port: int, freeze: Any) -> int:
+    import asyncio
+    import signal
+
+    from kvroute.gateway.server import serve_lean
+
+    def ready(url: str) -> None:
+        freeze()
+        print(f"======== kvroute gateway on {url} ========", flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = asyncio.ensure_future(serve_lean(gw, host, port, ready))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if server.done():
+        exc = server.exception()
+        print(f"kvroute serve: error: {exc!r}", file=sys.stderr, flush=True)
+        return 1
+    server.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await server
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvroute.gateway.cli`` (same as ``kvroute serve``)."""
+    parser = argparse.ArgumentParser(prog="kvroute")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    a = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
+    return int(a.func(a))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

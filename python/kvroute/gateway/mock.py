@@ -1,0 +1,283 @@
+"""A mock OpenAI-compatible engine for tests and benchmarks: keeps a prefix cache, charges a delay
+per uncached prompt token, streams SSE, and speaks vLLM's and SGLang's PD handshakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from aiohttp import web
+
+__all__ = ["MockWorker", "Rendezvous"]
+
+
+@dataclass
+class Rendezvous:
+    """SGLang's bootstrap meeting point, shared by mock prefill and decode servers in one process:
+    a decode waits (bounded) for the prefill with the same bootstrap room."""
+
+    rooms: dict[int, asyncio.Event] = field(default_factory=dict)
+    owners: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # room -> (prefill host, bootstrap port)
+
+    def event(self, room: int) -> asyncio.Event:
+        return self.rooms.setdefault(room, asyncio.Event())
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return "".join(f"{m.get('role')}:{m.get('content')}\n" for m in body["messages"])
+    p = body.get("prompt", "")
+    return p if isinstance(p, str) else json.dumps(p)
+
+
+class MockWorker:
+    """One mock engine on 127.0.0.1. ``cost_per_token``: seconds of prefill per uncached prompt token
+    (4 bytes of text); ``token_delay``: seconds per streamed output token. ``fail_next`` > 0 answers
+    that many requests with HTTP 500; ``healthy = False`` makes /health answer 503."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        role: str = "both",
+        cost_per_token: float = 0.0,
+        token_delay: float = 0.0,
+        block_bytes: int = 256,
+        cache_blocks: int = 1_000_000,
+        rendezvous: Rendezvous | None = None,
+        bootstrap_port: int = 8998,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.cost_per_token = cost_per_token
+        self.token_delay = token_delay
+        self.block_bytes = block_bytes
+        self.cache_blocks = cache_blocks
+        self.rendezvous = rendezvous
+        self.bootstrap_port = bootstrap_port
+        self.cache: OrderedDict[bytes, None] = OrderedDict()
+        self.fail_next = 0
+        self.healthy = True
+        self.requests = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.keep_bodies = False  # record request bodies in .bodies and response bytes in .outputs
+        self.outputs: list[bytes] = []
+        self.url = ""
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def start(self, port: int = 0) -> str:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await self._site.start()
+        server = self._site._server
+        assert server is not None
+        self.port = cast(Any, server).sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self.url
+
+    async def kill(self) -> None:
+        """Dies abruptly: stops listening and resets every open connection mid-response."""
+        if self._site is not None and self._site._server is not None:
+            self._site._server.close()
+        if self._runner is not None and self._runner.server is not None:
+            for conn in list(self._runner.server.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- engine behaviour --------------------------------------------------------------
+
+    def _prefill(self, text: str) -> int:
+        """Looks the prompt's blocks up in the prefix cache, inserts them; returns uncached tokens."""
+        raw = text.encode()
+        h = hashlib.blake2b(digest_size=16)
+        hit = 0
+        missed = False
+        n_blocks = len(raw) // self.block_bytes
+        for i in range(n_blocks):
+            h.update(raw[i * self.block_bytes : (i + 1) * self.block_bytes])
+            key = h.digest()
+            if not missed and key in self.cache:
+                self.cache.move_to_end(key)
+                hit += 1
+            else:
+                missed = True
+                self.cache[key] = None
+        while len(self.cache) > self.cache_blocks:
+            self.cache.popitem(last=False)
+        tokens = max(1, len(raw) // 4)
+        cached = min(tokens, hit * self.block_bytes // 4)
+        self.prompt_tokens += tokens
+        self.cached_tokens += cached
+        return tokens - cached
+
+    def _words(self, text: str, n: int) -> list[str]:
+        seed = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+        return [f" {seed}-{i}" for i in range(n)]
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            body = await request.json()
+            if self.keep_bodies:
+                self.bodies.append(body)
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                return web.json_response({"error": {"message": f"{self.name}: injected failure"}}, status=500)
+            if "prompt" not in body and "messages" not in body:
+                return web.json_response({"error": {"message": "prompt or messages required"}}, status=400)
+            resp = await self._serve(request, body)
+            self.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        text = _prompt_text(body)
+        chat = "messages" in body
+        ktp = body.get("kv_transfer_params") or {}
+        room = body.get("bootstrap_room")
+        if room is not None and self.rendezvous is not None:
+            if self.role == "prefill":
+                self.rendezvous.owners[room] = (body.get("bootstrap_host"), body.get("bootstrap_port"))
+                self.rendezvous.event(room).set()
+            elif self.role == "decode":
+                try:
+                    await asyncio.wait_for(self.rendezvous.event(room).wait(), 2.0)
+                except asyncio.TimeoutError:
+                    return web.json_response({"error": {"message": f"bootstrap room {room}: no prefill arrived"}}, status=500)
+        # With do_remote_prefill the KV arrives from the prefill worker: nothing to compute here.
+        uncached = 0 if ktp.get("do_remote_prefill") else self._prefill(text)
+        if self.cost_per_token and uncached:
+            await asyncio.sleep(uncached * self.cost_per_token)
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        words = self._words(text, n)
+        created = int(time.time())
+        rid = f"cmpl-{self.name}-{self.requests}"
+        extra: dict[str, Any] = {}
+        if ktp.get("do_remote_decode"):
+            extra["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.name,
+                "remote_block_ids": list(range(len(text) // self.block_bytes + 1)),
+                "remote_host": "127.0.0.1",
+                "remote_port": self.port,
+            }
+        if not body.get("stream"):
+            content = "".join(words)
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}} if chat else {"index": 0, "text": content}
+            out = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": "mock",
+                "choices": [{**choice, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": max(1, len(text) // 4), "completion_tokens": n},
+                "served_by": self.name,
+                **extra,
+            }
+            data = json.dumps(out).encode()
+            if self.keep_bodies:
+                self.outputs.append(data)
+            return web.Response(body=data, content_type="application/json")
+        sent: list[bytes] = []
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i, word in enumerate(words):
+            if self.token_delay and i:
+                await asyncio.sleep(self.token_delay)
+            delta = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            chunk = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": "mock",
+                "choices": [delta],
+            }
+            sent.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(sent[-1])
+        sent.append(b"data: [DONE]\n\n")
+        await resp.write(sent[-1])
+        await resp.write_eof()
+        if self.keep_bodies:
+            self.outputs.append(b"".join(sent))
+        return resp
+
+    async def _health(self, _request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200 if self.healthy else 503, text="ok" if self.healthy else "unhealthy")
+
+    async def _metrics(self, _request: web.Request) -> web.StreamResponse:
+        usage = min(1.0, len(self.cache) / self.cache_blocks)
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="mock",engine="0"}} {float(self.in_flight)}\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="mock",engine="0"}} 0.0\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="mock",engine="0"}} {usage}\n'
+        )
+        return web.Response(text=text)
+
+    async def _models(self, _request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [{"id": "mock", "object": "model", "owned_by": self.name}]})
+
+
+async def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - used by benches/bench_gateway.py
+    """``python -m kvroute.gateway.mock --workers N``: serves N mock engines, prints one URL per line."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvroute.gateway.mock")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--port", type=int, default=0, help="first port (0: ephemeral ports)")
+    p.add_argument("--cost-per-token", type=float, default=0.0)
+    p.add_argument("--token-delay", type=float, default=0.0)
+    a = p.parse_args(argv)
+    workers = [MockWorker(f"mock{i}", cost_per_token=a.cost_per_token, token_delay=a.token_delay) for i in range(a.workers)]
+    for i, w in enumerate(workers):
+        print(await w.start(a.port + i if a.port else 0), flush=True)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    try:
+        import uvloop  # type: ignore[import-not-found, unused-ignore]
+
+        uvloop.run(_main())
+    except ImportError:
+        asyncio.run(_main())

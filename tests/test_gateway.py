@@ -1,0 +1,413 @@
+"""Gateway behaviour against mock engines: pass-through, stickiness without collapse, load
+accounting, failures and retries, limits, admin API, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+import aiohttp
+from gateway_harness import (
+    Cluster,
+    MockWorker,
+    assert_no_leak,
+    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
+    poll,
+    run,
+)
+from kvroute.gateway import GatewayConfig
+from kvroute.gateway.metrics import parse_engine_metrics
+
+pytestmark = pytest.mark.usefixtures("http_server")
+
+SYSTEM = "You are a careful assistant. " * 40  # ~1.1 KB shared prefix
+
+
+def test_streaming_and_json_pass_through_byte_for_byte() -> None:
+    async def scenario() -> None:
+        async with Cluster(2, mock={"cost_per_token": 1e-7}) as c:
+            for m in c.mocks:
+                m.keep_bodies = True
+            bodies = [
+                ("/v1/completions", {"prompt": SYSTEM + "tell me a story", "max_tokens": 12, "stream": True}),
+                ("/v1/completions", {"prompt": SYSTEM + "tell me a story", "max_tokens": 12}),
+                (
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "stream": True},
+                ),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+                ("/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens": 2, "stream": True}),
+            ]
+            for path, body in bodies:
+                status, headers, data = await c.post(path, body)
+                assert status == 200, data
+                mock = c.mock_by_url(headers["X-Kvroute-Worker"])
+                assert data == mock.outputs[-1], "gateway altered the upstream bytes"
+                assert mock.bodies[-1] == body, "gateway altered the request"
+                if body.get("stream"):
+                    assert headers["Content-Type"].startswith("text/event-stream")
+                    assert data.endswith(b"data: [DONE]\n\n")
+                else:
+                    json.loads(data)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_shared_prefixes_stick_while_load_stays_even() -> None:
+    """8 conversations' system prompts over 4 workers: each prefix group lands on one worker, and
+    the groups spread over the workers instead of collapsing onto the first one."""
+
+    async def scenario() -> None:
+        rng = random.Random(7)
+        groups = [f"group {g}: " + f"system prompt number {g} with its own rules. " * 30 for g in range(8)]
+        async with Cluster(4, mock={"cost_per_token": 2e-7}) as c:
+            placed: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+            sem = asyncio.Semaphore(8)
+
+            async def one(i: int) -> None:
+                g = rng.randrange(len(groups))
+                body = {"prompt": groups[g] + f"question {i} " * rng.randrange(1, 20), "max_tokens": 4}
+                async with sem:
+                    status, headers, data = await c.post("/v1/completions", body)
+                assert status == 200, data
+                placed[g][headers["X-Kvroute-Worker"]] += 1
+
+            await asyncio.gather(*(one(i) for i in range(240)))
+            for g, where in placed.items():
+                top = where.most_common(1)[0][1]
+                assert top / sum(where.values()) >= 0.8, f"group {g} scattered: {where}"
+            served = [m.requests for m in c.mocks]
+            assert min(served) > 0 and max(served) <= 0.5 * sum(served), f"load collapsed: {served}"
+            hit = sum(m.cached_tokens for m in c.mocks) / sum(m.prompt_tokens for m in c.mocks)
+            assert hit > 0.6, f"engines' cache hit rate only {hit:.2f}"
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, mock={"token_delay": 0.02}) as c:
+            mock = c.mocks[0]
+            # Mid-stream: read one chunk, then go away.
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(c.url + "/v1/completions", json={"prompt": "x" * 100, "max_tokens": 500, "stream": True}) as r,
+            ):
+                assert r.status == 200
+                await r.content.readany()
+            await poll(lambda: mock.cancelled == 1, what="upstream cancellation after a mid-stream disconnect")
+            # Before the first byte: the engine is still prefilling when the client times out.
+            mock.cost_per_token = 1.0
+            with pytest.raises(asyncio.TimeoutError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as s:
+                    await s.post(c.url + "/v1/completions", json={"prompt": "y" * 400, "max_tokens": 5})
+            await poll(lambda: mock.cancelled == 2, what="upstream cancellation before the first byte")
+            await poll(lambda: c.gw._in_flight == 0, what="gateway to release the request")
+            assert c.gw.metrics.client_disconnects == 2
+            assert mock.completed == 0
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def _pin(c: Cluster, mock: MockWorker, body: dict, chat: bool = False) -> None:
+    """Makes the router believe ``mock`` caches this prompt, so it is the first choice."""
+    p = c.gw.prompter.prompt(body, chat)
+    c.router.index.store(c.worker_id(mock), p.hashes)
+
+
+def test_5xx_is_retried_on_next_worker_and_worker_probed_back() -> None:
+    async def scenario() -> None:
+        async with Cluster(2) as c:
+            bad, good = c.mocks
+            body = {"prompt": SYSTEM + "retry me", "max_tokens": 3, "stream": True}
+            _pin(c, bad, body)
+            bad.fail_next = 1
+            bad.healthy = False  # its /health fails too, so it stays out until it recovers
+            status, headers, data = await c.post("/v1/completions", body)
+            assert status == 200 and headers["X-Kvroute-Worker"] == good.url, data
+            assert data.endswith(b"data: [DONE]\n\n")
+            assert bad.requests == 1 and c.gw.metrics.retries == 1
+            wbad = c.gw.workers[c.worker_id(bad)]
+            assert not wbad.healthy and c.worker_id(bad) not in c.router.workers()
+            assert c.gw.metrics.upstream_errors[bad.url] == 1
+            bad.healthy = True
+            await poll(lambda: wbad.healthy, what="probe to bring the worker back")
+            assert c.worker_id(bad) in c.router.workers()
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_connection_refused_is_retried_and_all_failing_gives_clear_error() -> None:
+    async def scenario() -> None:
+        async with Cluster(2) as c:
+            dead, alive = c.mocks
+            await dead.stop()  # nothing listens on its port any more
+            for i in range(6):
+                status, headers, _ = await c.post("/v1/completions", {"prompt": f"p{i} " * 50, "max_tokens": 2})
+                assert status == 200 and headers["X-Kvroute-Worker"] == alive.url
+            assert not c.gw.workers[c.worker_id(dead)].healthy
+            alive.fail_next = 10
+            alive.healthy = False
+            status, headers, data = await c.post("/v1/completions", {"prompt": "doomed " * 20, "max_tokens": 2})
+            assert status in (502, 503), data
+            err = json.loads(data)["error"]
+            assert "HTTP 500" in err["message"] or "no healthy worker" in err["message"]
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_worker_killed_mid_run_loses_no_request() -> None:
+    """300 requests at concurrency 24 over 4 workers; one is killed after 100 have completed. Every
+    non-streaming request still succeeds (retried elsewhere); a stream cut after its first bytes
+    ends with an explicit error event; nothing hangs and no load leaks."""
+
+    async def scenario() -> None:
+        async with Cluster(4, mock={"cost_per_token": 2e-6, "token_delay": 0.002}) as c:
+            victim = c.mocks[1]
+            done = 0
+            killed = asyncio.Event()
+            outcomes: collections.Counter[str] = collections.Counter()
+            sem = asyncio.Semaphore(24)
+            rng = random.Random(3)
+
+            async def one(i: int) -> None:
+                nonlocal done
+                stream = i % 3 == 0
+                body = {"prompt": f"conversation {i % 16} " * 40 + f"turn {i}", "max_tokens": 8, "stream": stream}
+                async with sem:
+                    status, _, data = await c.post("/v1/completions", body)
+                if stream and status == 200 and b'"upstream_error"' in data:
+                    outcomes["stream_cut"] += 1
+                elif status == 200 and (not stream or data.endswith(b"data: [DONE]\n\n")):
+                    outcomes["ok"] += 1
+                else:
+                    outcomes[f"failed {status} {data[:80]!r}"] += 1
+                done += 1
+                if done == 100:
+                    killed.set()
+
+            async def killer() -> None:
+                await killed.wait()
+                await victim.kill()
+
+            order = list(range(300))
+            rng.shuffle(order)
+            await asyncio.gather(killer(), *(one(i) for i in order))
+            assert set(outcomes) <= {"ok", "stream_cut"}, outcomes
+            assert outcomes["stream_cut"] <= 24  # only streams running on the victim at the kill
+            assert outcomes["ok"] + outcomes["stream_cut"] == 300
+            assert not c.gw.workers[c.worker_id(victim)].healthy
+            assert_no_leak(c)
+
+    run(scenario(), timeout=45)
+
+
+def test_early_rejection_answers_429_with_retry_after() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, router={"ttft_slo": 0.05}) as c:
+            # One worker at the default 20k tokens/s: 8k tokens take 0.4 s, past the 50 ms SLO.
+            status, headers, data = await c.post("/v1/completions", {"prompt": "z" * 32_000, "max_tokens": 1})
+            assert status == 429, data
+            assert int(headers["Retry-After"]) >= 1
+            assert "rejected" in json.loads(data)["error"]["message"]
+            assert c.mocks[0].requests == 0
+            assert sum(c.gw.metrics.rejections.values()) == 1
+            status, _, _ = await c.post("/v1/completions", {"prompt": "short", "max_tokens": 1})
+            assert status == 200
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_bad_requests_get_clear_400_and_413() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, max_body_bytes=4096) as c:
+            async with c.client.post(c.url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+            for body, needle in [
+                ([1, 2], "JSON object"),
+                ({"max_tokens": 3}, "'prompt'"),
+                ({"prompt": ""}, "empty prompt"),
+                ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+                ({"prompt": [1, -2]}, ""),
+            ]:
+                status, _, data = await c.post("/v1/completions", body)  # type: ignore[arg-type]
+                assert status == 400, (body, data)
+                assert needle in json.loads(data)["error"]["message"]
+            status, _, data = await c.post("/v1/chat/completions", {"messages": "hi"})
+            assert status == 400 and "messages" in json.loads(data)["error"]["message"]
+            status, _, data = await c.post("/v1/completions", {"prompt": "x" * 10_000})
+            assert status == 413, data
+            assert c.mocks[0].requests == 0
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_per_client_concurrency_limit() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, max_client_concurrency=2, client_key_header="X-Api-Key", mock={"cost_per_token": 0.002}) as c:
+            mock = c.mocks[0]
+            slow = [
+                asyncio.ensure_future(c.post("/v1/completions", {"prompt": f"slow {i} " * 40}, headers={"X-Api-Key": "a"}))
+                for i in range(2)
+            ]
+            await poll(lambda: mock.in_flight == 2, what="two slow requests in flight")
+            status, headers, data = await c.post("/v1/completions", {"prompt": "third"}, headers={"X-Api-Key": "a"})
+            assert status == 429 and headers["Retry-After"] == "1" and b"concurrent" in data
+            status, _, _ = await c.post("/v1/completions", {"prompt": "other client"}, headers={"X-Api-Key": "b"})
+            assert status == 200
+            assert [s for s, _, _ in await asyncio.gather(*slow)] == [200, 200]
+            assert c.gw.metrics.rejections["client_concurrency"] == 1
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_admin_api_requires_bearer_token() -> None:
+    async def scenario() -> None:
+        async with Cluster(1) as c:  # no token configured: the admin API is off
+            r = await c.client.get(c.url + "/admin/workers", headers={"Authorization": "Bearer anything-at-all"})
+            async with r:
+                assert r.status == 403 and "--admin-token" in (await r.json())["error"]["message"]
+        token = "s3cret-admin-token"
+        async with Cluster(1, admin_token=token) as c:
+            extra = MockWorker("extra")
+            await extra.start()
+            try:
+                for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": token}, {"Authorization": f"Basic {token}"}):
+                    for method, path, kw in (
+                        ("GET", "/admin/workers", {}),
+                        ("POST", "/admin/workers", {"json": {"url": extra.url}}),
+                        ("DELETE", "/admin/workers/0", {}),
+                    ):
+                        async with c.client.request(method, c.url + path, headers=headers, **kw) as r:
+                            assert r.status == 401, (method, headers)
+                            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+                assert len(c.gw.workers) == 1
+                auth = {"Authorization": f"Bearer {token}"}
+                async with c.client.post(
+                    c.url + "/admin/workers", headers=auth, json={"url": extra.url, "prefill_tokens_per_s": 40000.0}
+                ) as r:
+                    assert r.status == 201
+                    new_id = (await r.json())["id"]
+                async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": extra.url}) as r:
+                    assert r.status == 400 and "already" in (await r.json())["error"]["message"]
+                async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "ftp://x", "role": "both"}) as r:
+                    assert r.status == 400
+                async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "http://h:1", "colour": "red"}) as r:
+                    assert r.status == 400 and "colour" in (await r.json())["error"]["message"]
+                assert new_id in c.router.workers()
+                _pin(c, extra, {"prompt": SYSTEM})
+                status, headers, _ = await c.post("/v1/completions", {"prompt": SYSTEM, "max_tokens": 1})
+                assert status == 200 and headers["X-Kvroute-Worker"] == extra.url
+                async with c.client.get(c.url + "/admin/workers", headers=auth) as r:
+                    assert {w["url"] for w in (await r.json())["workers"]} == {c.mocks[0].url, extra.url}
+                async with c.client.delete(c.url + f"/admin/workers/{new_id}", headers=auth) as r:
+                    assert r.status == 200
+                async with c.client.delete(c.url + f"/admin/workers/{new_id}", headers=auth) as r:
+                    assert r.status == 404
+                assert new_id not in c.router.workers()
+                status, headers, _ = await c.post("/v1/completions", {"prompt": SYSTEM, "max_tokens": 1})
+                assert status == 200 and headers["X-Kvroute-Worker"] == c.mocks[0].url
+                assert_no_leak(c)
+            finally:
+                await extra.stop()
+
+    run(scenario())
+
+
+def test_health_models_and_metrics_endpoints() -> None:
+    async def scenario() -> None:
+        async with Cluster(2, models=("fallback-model",)) as c:
+            async with c.client.get(c.url + "/health") as r:
+                assert r.status == 200 and len((await r.json())["workers"]) == 2
+            async with c.client.get(c.url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == "mock"
+            await c.post("/v1/completions", {"prompt": SYSTEM, "max_tokens": 1})
+            await c.post("/v1/completions", {"prompt": SYSTEM + "again", "max_tokens": 1})
+            async with c.client.get(c.url + "/metrics") as r:
+                text = await r.text()
+                assert r.headers["Content-Type"].startswith("text/plain")
+            assert 'kvroute_requests_total{endpoint="/v1/completions",status="2xx"} 2' in text
+            assert "kvroute_routing_seconds_count 2" in text
+            assert "kvroute_worker_in_flight{" in text and "kvroute_retries_total 0" in text
+            ratio = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("kvroute_cache_hit_ratio ")))
+            assert 0.3 < ratio < 0.6  # the second request hits the first one's ~1.1 KB of blocks
+            for m in c.mocks:
+                m.healthy = False
+                m.fail_next = 100
+            await c.post("/v1/completions", {"prompt": "a", "max_tokens": 1})
+            async with c.client.get(c.url + "/health") as r:
+                assert r.status == 503
+            for m in c.mocks:
+                await m.stop()
+            async with c.client.get(c.url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == "fallback-model"
+
+    run(scenario())
+
+
+def test_engine_metrics_polling_feeds_router_observe() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, mock={"cost_per_token": 0.01}) as c:
+            mock = c.mocks[0]
+            task = asyncio.ensure_future(c.post("/v1/completions", {"prompt": "q" * 400}))
+            await poll(lambda: mock.in_flight == 1, what="request in flight")
+            seen = await c.gw.poll_metrics(c.gw.workers[0])
+            assert seen == {"waiting": 0.0, "running": 1.0, "kv_usage": pytest.approx(len(mock.cache) / mock.cache_blocks)}
+            load = c.router.load(0)
+            assert load["observed_running"] == 1 and load["observed_waiting"] == 0
+            assert (await task)[0] == 200
+
+    run(scenario())
+
+
+def test_parse_engine_metrics_vllm_and_sglang() -> None:
+    text = """# HELP vllm:num_requests_running x
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:num_requests_waiting_by_reason{reason="x"} 9
+garbage line
+vllm:num_requests_running{weird="}"} nan
+"""
+    assert parse_engine_metrics(text) == {"waiting": 4.0, "running": 5.0, "kv_usage": 0.375}
+    sg = 'sglang:num_running_reqs{model_name="m"} 7\nsglang:num_queue_reqs{model_name="m"} 1\nsglang:token_usage{model_name="m"} 0.9\n'
+    assert parse_engine_metrics(sg) == {"waiting": 1.0, "running": 7.0, "kv_usage": 0.9}
+    assert parse_engine_metrics("") == {}
+
+
+def test_config_validation_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="pd_convention"):
+        GatewayConfig(pd_convention="triton")
+    with pytest.raises(ValueError, match="admin_token"):
+        GatewayConfig(admin_token="short")
+    with pytest.raises(ValueError, match="max_retries"):
+        GatewayConfig(max_retries=-1)
+    import kvroute
+    from kvroute.gateway import WorkerConfig, create_app
+
+    with pytest.raises(ValueError, match="worker url"):
+        WorkerConfig("localhost:8000")
+    with pytest.raises(ValueError, match="role"):
+        WorkerConfig("http://h:1", role="encode")
+    with pytest.raises(ValueError, match="at least one worker"):
+        create_app(kvroute.Router())
+    with pytest.raises(ValueError, match="already configured"):
+        create_app(kvroute.Router(), ["http://h:1", "http://h:1/"])
+    with pytest.raises(ValueError, match="kv_events names workers"):
+        create_app(kvroute.Router(), ["http://h:1"], kv_events={"http://other:2": "tcp://127.0.0.1:5557"})
