@@ -581,9 +581,20 @@ impl KvIndex {
         let mut prev = ROOT;
         let mut guess = u32::MAX;
         let mut depth = 0u32;
+        // Consecutive blocks usually have the very same holders (one encoding, or one spilled set):
+        // then the set of workers still matching cannot change and the intersection is skipped.
+        let mut last_holders = None;
         for (d, &h) in hashes.iter().enumerate() {
             let Some(i) = g.find_child(h, prev, guess) else { break };
             let node = g.node(i);
+            if last_holders == Some(node.holders) {
+                g.touch(i, clock);
+                prev = i;
+                guess = i.wrapping_add(1);
+                depth = d as u32 + 1;
+                continue;
+            }
+            last_holders = Some(node.holders);
             let mut any = 0u64;
             for (w, a) in alive.iter_mut().enumerate() {
                 let held = g.arena.word(node.holders, mask, w);
