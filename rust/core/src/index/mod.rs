@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use hashbrown::HashMap;
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
 use shard::{mix, Shard, FREE, ORPHAN, ROOT};
@@ -224,6 +224,26 @@ impl KvIndex {
         (e & !0xF == h & !0xF && e != 0).then_some((e & 0xF) as usize)
     }
 
+    /// Write access to shard `s` with table room for `n` more nodes. When the table must grow,
+    /// the bigger copy is built under an upgradable (shared) lock and swapped in, so readers are
+    /// never stalled behind a rehash of the whole shard, only behind the swap.
+    fn write_with_room(&self, s: usize, n: usize) -> RwLockWriteGuard<'_, Shard> {
+        let ug = self.shard(s).upgradable_read();
+        if ug.table_room() >= n && ug.slab_room() >= n {
+            return RwLockUpgradableReadGuard::upgrade(ug);
+        }
+        let grown = (ug.table_room() < n).then(|| ug.grown_table(n));
+        let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::<shard::Node>::prefaulted_chunks(n));
+        let mut g = RwLockUpgradableReadGuard::upgrade(ug);
+        if let Some(t) = grown {
+            g.set_table(t);
+        }
+        if let Some(c) = chunks {
+            g.nodes.add_chunks(c);
+        }
+        g
+    }
+
     /// Finds the shard holding node `h`, preferring one where `slot` holds it.
     fn locate(&self, h: u64, slot: Option<u32>, first: Option<usize>) -> Option<usize> {
         let mut fallback = None;
@@ -261,17 +281,18 @@ impl KvIndex {
         }
         // Which shard, and which node to hang the chain under. A continuation usually extends
         // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
-        let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.shard(s).write()));
+        let room = hashes.len();
+        let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.write_with_room(s, room)));
         let (s, parent_hash, mut g) = match (parent, hinted) {
             (None, _) => {
                 let s = root_shard(hashes[0]);
-                (s, None, self.shard(s).write())
+                (s, None, self.write_with_room(s, room))
             }
             (Some(p), Some((s, g))) if g.find(p).is_some() => (s, Some(p), g),
             (Some(p), held) => {
                 drop(held);
                 let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
-                (s, Some(p), self.shard(s).write())
+                (s, Some(p), self.write_with_room(s, room))
             }
         };
         let mut prev = match parent_hash {

@@ -88,6 +88,33 @@ impl Shard {
         (i as usize) < self.nodes.len() && self.nodes[i as usize].parent != FREE
     }
 
+    /// How many more nodes the table takes before it must grow.
+    pub fn table_room(&self) -> usize {
+        self.table.capacity() - self.table.len()
+    }
+
+    /// A copy of the table with room for `extra` more nodes (at least twice the size). Built
+    /// under a shared lock, so matches keep reading this shard while a big table is rehashed.
+    pub fn grown_table(&self, extra: usize) -> HashTable<u32> {
+        let want = (self.table.len() + extra).max(self.table.capacity() * 2).max(64);
+        let mut t = HashTable::with_capacity(want);
+        let nodes = &self.nodes;
+        for &i in self.table.iter() {
+            t.insert_unique(mix(nodes[i as usize].hash), i, |&j| mix(nodes[j as usize].hash));
+        }
+        t
+    }
+
+    /// Slab slots available without allocating (free-list slots included).
+    pub fn slab_room(&self) -> usize {
+        self.free.len() + self.nodes.spare()
+    }
+
+    pub fn set_table(&mut self, table: HashTable<u32>) {
+        debug_assert_eq!(table.len(), self.table.len());
+        self.table = table;
+    }
+
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
     /// `None` when the shard is full.
     pub fn create(&mut self, h: u64, parent: u32, tick: u32) -> Option<u32> {

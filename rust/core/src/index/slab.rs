@@ -23,11 +23,36 @@ impl<T> Slab<T> {
         self.len
     }
 
+    /// Slots available without allocating a chunk.
+    pub fn spare(&self) -> usize {
+        self.chunks.len() * CHUNK - self.len
+    }
+
+    /// Empty chunks for at least `n` more slots, with their pages already touched, so that
+    /// the page faults of a fresh chunk are taken before, not while, a writer holds the shard.
+    pub fn prefaulted_chunks(n: usize) -> Vec<Vec<T>> {
+        (0..n.div_ceil(CHUNK))
+            .map(|_| {
+                let mut v: Vec<T> = Vec::with_capacity(CHUNK);
+                // SAFETY: writes zero bytes into the vector's own spare capacity; its length stays
+                // 0, so the bytes are never read as `T`.
+                unsafe { std::ptr::write_bytes(v.as_mut_ptr().cast::<u8>(), 0, CHUNK * std::mem::size_of::<T>()) };
+                v
+            })
+            .collect()
+    }
+
+    /// Appends chunks made by `prefaulted_chunks` after the last (full) chunk.
+    pub fn add_chunks(&mut self, chunks: Vec<Vec<T>>) {
+        debug_assert_eq!(self.spare(), 0);
+        self.chunks.extend(chunks);
+    }
+
     pub fn push(&mut self, v: T) {
         if self.len == self.chunks.len() * CHUNK {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
-        self.chunks.last_mut().expect("a chunk with room").push(v);
+        self.chunks[self.len >> CHUNK_BITS].push(v);
         self.len += 1;
     }
 
