@@ -126,6 +126,37 @@ pub struct KvIndex {
 }
 
 const HINT_SLOTS: usize = 1 << 14;
+/// A store yields its shard to waiting matches every this many blocks.
+const YIELD_EVERY: usize = 16;
+/// How long a writer spins for readers to leave before it parks (~10-20 us).
+const WRITER_SPINS: u32 = 4096;
+
+/// Upgrades to write access, spinning while readers finish. A parked writer makes parking_lot
+/// block new readers until the writer has been woken and is done: tens of microseconds of
+/// stall for every match on the shard; matches are short, so spinning costs less.
+fn upgrade_spinning(mut ug: RwLockUpgradableReadGuard<'_, Shard>) -> RwLockWriteGuard<'_, Shard> {
+    for _ in 0..WRITER_SPINS {
+        match RwLockUpgradableReadGuard::try_upgrade(ug) {
+            Ok(g) => return g,
+            Err(back) => {
+                ug = back;
+                std::hint::spin_loop();
+            }
+        }
+    }
+    RwLockUpgradableReadGuard::upgrade(ug)
+}
+
+/// Write access to a shard, spinning first (see `upgrade_spinning`).
+fn write_spinning(lock: &RwLock<Shard>) -> RwLockWriteGuard<'_, Shard> {
+    for _ in 0..WRITER_SPINS {
+        if let Some(g) = lock.try_write() {
+            return g;
+        }
+        std::hint::spin_loop();
+    }
+    lock.write()
+}
 const CLOCK_LIMIT: u32 = 1 << 31;
 
 #[inline]
@@ -230,11 +261,11 @@ impl KvIndex {
     fn write_with_room(&self, s: usize, n: usize) -> RwLockWriteGuard<'_, Shard> {
         let ug = self.shard(s).upgradable_read();
         if ug.table_room() >= n && ug.slab_room() >= n {
-            return RwLockUpgradableReadGuard::upgrade(ug);
+            return upgrade_spinning(ug);
         }
         let grown = (ug.table_room() < n).then(|| ug.grown_table(n));
         let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::<shard::Node>::prefaulted_chunks(n));
-        let mut g = RwLockUpgradableReadGuard::upgrade(ug);
+        let mut g = upgrade_spinning(ug);
         if let Some(t) = grown {
             g.set_table(t);
         }
@@ -313,11 +344,26 @@ impl KvIndex {
         let mut new_entries = 0;
         let mut created = 0usize;
         let mut linked: Vec<u64> = Vec::new();
-        let mut new_orphan = None;
+        let mut new_orphans: Vec<(u64, u32)> = Vec::new();
+        let mut orphan_of = if prev == ORPHAN { parent_hash } else { None };
+        let mut prev_hash = parent_hash;
         let waiting = self.awaiting_len.load(Relaxed) > 0;
         let mut guess = u32::MAX;
         let mut full = false;
-        for &h in hashes {
+        for (k, &h) in hashes.iter().enumerate() {
+            if k % YIELD_EVERY == 0 && k > 0 {
+                // Let waiting matches in every few blocks, so a long store never holds them up
+                // for long; then make sure the block we chain under is still there.
+                RwLockWriteGuard::bump(&mut g);
+                if let (true, Some(ph)) = (prev < FREE, prev_hash) {
+                    if !(g.is_live(prev) && g.node(prev).hash == ph) {
+                        prev = g.find(ph).unwrap_or(ORPHAN);
+                        if prev == ORPHAN {
+                            orphan_of = Some(ph);
+                        }
+                    }
+                }
+            }
             let (i, fresh) = match g.is_guess(h, prev, guess) {
                 true => (guess, false),
                 false => match g.find_or_create(h, prev, tick) {
@@ -339,9 +385,9 @@ impl KvIndex {
                 }
                 true => {
                     if prev == ORPHAN {
-                        let p = parent_hash.expect("orphan has a parent hash");
+                        let p = orphan_of.expect("an orphan chain knows its parent hash");
                         g.orphan_parent.insert(i, p);
-                        new_orphan = Some((p, i));
+                        new_orphans.push((p, i));
                     }
                     created += 1;
                     if waiting {
@@ -356,6 +402,7 @@ impl KvIndex {
                 self.counters.duplicate_stores.fetch_add(1, Relaxed);
             }
             prev = i;
+            prev_hash = Some(h);
         }
         drop(g);
         self.nodes.fetch_add(created, Relaxed);
@@ -363,7 +410,7 @@ impl KvIndex {
         if !linked.is_empty() {
             self.adopt_orphans(&linked, s);
         }
-        if let Some((p, i)) = new_orphan {
+        for (p, i) in new_orphans {
             self.await_parent(p, s, i, slot);
         }
         drop(_reg);
@@ -506,7 +553,7 @@ impl KvIndex {
             // Fast path: the previous block's shard.
             let mut done = false;
             if let Some(s) = last {
-                let mut g = self.shard(s).write();
+                let mut g = write_spinning(self.shard(s));
                 if let Some(i) = g.find(h) {
                     if g.arena.tiers(g.node(i).holders, slot) != 0 {
                         let (gone, d) = g.remove_holder(i, slot, tiers);
@@ -520,7 +567,7 @@ impl KvIndex {
                 continue;
             }
             let found = self.locate(h, Some(slot), None).and_then(|s| {
-                let mut g = self.shard(s).write();
+                let mut g = write_spinning(self.shard(s));
                 let i = g.find(h)?;
                 if g.arena.tiers(g.node(i).holders, slot) == 0 {
                     return None;
@@ -728,7 +775,7 @@ impl KvIndex {
         let mut evicted = 0u64;
         while self.nodes.load(Relaxed) > target {
             let Some(Reverse((tick, s, i))) = heap.pop() else { break };
-            let mut g = self.shard(s as usize).write();
+            let mut g = write_spinning(self.shard(s as usize));
             if !g.is_live(i) || g.node(i).children != 0 {
                 continue;
             }
