@@ -249,3 +249,38 @@ fn orphan_adopted_when_parent_arrives_in_between() {
     assert_eq!(depth(&idx, &c, 2), Some(4));
     assert_eq!(idx.awaiting_len.load(Relaxed), 0);
 }
+
+#[test]
+fn long_stores_yield_while_blocks_they_chain_under_are_removed() {
+    use std::sync::Arc;
+    let idx = Arc::new(KvIndex::new(None));
+    let chains: Arc<Vec<Vec<u64>>> = Arc::new((0..8).map(|k| chain(90_000 + k, 100)).collect());
+    let mut hs = Vec::new();
+    for t in 0..2u64 {
+        let (idx, chains) = (idx.clone(), chains.clone());
+        hs.push(std::thread::spawn(move || {
+            for r in 0..400usize {
+                let c = &chains[r % 8];
+                if t == 0 {
+                    idx.store(r as u64 % 3, c, None, Tier::Device).unwrap();
+                } else {
+                    // Remove around the yield points (every 16 blocks) of the other thread's stores.
+                    let at = 15 + 16 * (r % 5);
+                    idx.remove(r as u64 % 3, &c[at..at + 2], ANY_TIER);
+                }
+            }
+        }));
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    let st = idx.stats();
+    let total: u64 = (0..3).map(|w| idx.num_blocks(w)).sum();
+    assert_eq!(total, st.entries);
+    assert_eq!(st.nodes as usize, idx.len());
+    // Whatever interleaving happened, a fresh full store makes every chain whole again.
+    for (k, c) in chains.iter().enumerate() {
+        idx.store(7, c, None, Tier::Device).unwrap();
+        assert_eq!(depth(&idx, c, 7), Some(100), "chain {k}");
+    }
+}
