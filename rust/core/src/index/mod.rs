@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashTable};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
@@ -130,6 +130,8 @@ const HINT_SLOTS: usize = 1 << 14;
 const YIELD_EVERY: usize = 16;
 /// How long a writer spins for readers to leave before it parks (~10-20 us).
 const WRITER_SPINS: u32 = 4096;
+/// How long a match spins for a writer to finish before it parks (~20-40 us).
+const READER_SPINS: u32 = 8192;
 
 /// Upgrades to write access, spinning while readers finish. A parked writer makes parking_lot
 /// block new readers until the writer has been woken and is done: tens of microseconds of
@@ -145,6 +147,18 @@ fn upgrade_spinning(mut ug: RwLockUpgradableReadGuard<'_, Shard>) -> RwLockWrite
         }
     }
     RwLockUpgradableReadGuard::upgrade(ug)
+}
+
+/// Read access to a shard, spinning first: writers hold a shard for a few microseconds at a time,
+/// far less than a park and wake-up round trip costs on a loaded host.
+fn read_spinning(lock: &RwLock<Shard>) -> RwLockReadGuard<'_, Shard> {
+    for _ in 0..READER_SPINS {
+        if let Some(g) = lock.try_read() {
+            return g;
+        }
+        std::hint::spin_loop();
+    }
+    lock.read()
 }
 
 /// Write access to a shard, spinning first (see `upgrade_spinning`).
@@ -258,21 +272,20 @@ impl KvIndex {
     /// Write access to shard `s` with table room for `n` more nodes. When the table must grow,
     /// the bigger copy is built under an upgradable (shared) lock and swapped in, so readers are
     /// never stalled behind a rehash of the whole shard, only behind the swap.
-    fn write_with_room(&self, s: usize, n: usize) -> RwLockWriteGuard<'_, Shard> {
+    /// The table it replaced, if any, comes back for the caller to free once the lock is released.
+    fn write_with_room(&self, s: usize, n: usize) -> (RwLockWriteGuard<'_, Shard>, Option<HashTable<u32>>) {
         let ug = self.shard(s).upgradable_read();
         if ug.table_room() >= n && ug.slab_room() >= n {
-            return upgrade_spinning(ug);
+            return (upgrade_spinning(ug), None);
         }
         let grown = (ug.table_room() < n).then(|| ug.grown_table(n));
         let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::<shard::Node>::prefaulted_chunks(n));
         let mut g = upgrade_spinning(ug);
-        if let Some(t) = grown {
-            g.set_table(t);
-        }
+        let old = grown.map(|t| g.set_table(t));
         if let Some(c) = chunks {
             g.nodes.add_chunks(c);
         }
-        g
+        (g, old)
     }
 
     /// Finds the shard holding node `h`, preferring one where `slot` holds it.
@@ -314,12 +327,12 @@ impl KvIndex {
         // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
         let room = hashes.len();
         let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.write_with_room(s, room)));
-        let (s, parent_hash, mut g) = match (parent, hinted) {
+        let (s, parent_hash, (mut g, retired)) = match (parent, hinted) {
             (None, _) => {
                 let s = root_shard(hashes[0]);
                 (s, None, self.write_with_room(s, room))
             }
-            (Some(p), Some((s, g))) if g.find(p).is_some() => (s, Some(p), g),
+            (Some(p), Some((s, held))) if held.0.find(p).is_some() => (s, Some(p), held),
             (Some(p), held) => {
                 drop(held);
                 let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
@@ -352,9 +365,11 @@ impl KvIndex {
         let mut full = false;
         for (k, &h) in hashes.iter().enumerate() {
             if k % YIELD_EVERY == 0 && k > 0 {
-                // Let waiting matches in every few blocks, so a long store never holds them up
-                // for long; then make sure the block we chain under is still there.
-                RwLockWriteGuard::bump(&mut g);
+                // Let matches in every few blocks, so a long store never holds them up for long
+                // (they spin rather than park, so an unconditional release is what lets them in);
+                // then make sure the block we chain under is still there.
+                drop(g);
+                g = write_spinning(self.shard(s));
                 if let (true, Some(ph)) = (prev < FREE, prev_hash) {
                     if !(g.is_live(prev) && g.node(prev).hash == ph) {
                         prev = g.find(ph).unwrap_or(ORPHAN);
@@ -405,6 +420,7 @@ impl KvIndex {
             prev_hash = Some(h);
         }
         drop(g);
+        drop(retired);
         self.nodes.fetch_add(created, Relaxed);
         self.remember_shard(*hashes.last().unwrap(), s);
         if !linked.is_empty() {
@@ -638,7 +654,7 @@ impl KvIndex {
         out.workers.clear();
         out.depths.clear();
         let Some(&h0) = hashes.first() else { return };
-        let g = self.shard(root_shard(h0)).read();
+        let g = read_spinning(self.shard(root_shard(h0)));
         let ids = self.slot_ids.load();
         let nw = ids.len().div_ceil(64).max(1);
         let clock = self.clock.load(Relaxed);

@@ -110,9 +110,11 @@ impl Shard {
         self.free.len() + self.nodes.spare()
     }
 
-    pub fn set_table(&mut self, table: HashTable<u32>) {
+    /// Swaps in a grown table and returns the old one, to be freed after the lock is released
+    /// (freeing a large table unmaps memory: no reader should wait behind that).
+    pub fn set_table(&mut self, table: HashTable<u32>) -> HashTable<u32> {
         debug_assert_eq!(table.len(), self.table.len());
-        self.table = table;
+        std::mem::replace(&mut self.table, table)
     }
 
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
