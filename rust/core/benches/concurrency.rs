@@ -1,6 +1,8 @@
 //! Concurrent reads: match rate with 1 vs 2 threads, and match p99 idle vs with a writer
 //! storing ~1M blocks/s. Python threads cannot show this for ~1 us calls (the GIL hand-off
 //! dominates), so it is measured here on the core directly. Prints one table.
+//! `KVROUTE_BENCH_SEPARATE_WRITER=1` makes the writer store into a second index: the baseline
+//! for how much of the tail is the host rather than the index's locks.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -57,6 +59,8 @@ fn main() {
     let idx = KvIndex::new(None);
     build(&idx, &sessions, 64);
     let writer_sessions = chat_workload(8, 2_000_000, 99);
+    let separate = KvIndex::new(None);
+    let widx: &KvIndex = if std::env::var_os("KVROUTE_BENCH_SEPARATE_WRITER").is_some() { &separate } else { &idx };
     println!("index: {} nodes, {} entries", idx.len(), idx.stats().entries);
     for blocks in [128usize, 1024] {
         let qs: Vec<&[u64]> = sessions.iter().filter(|s| s.seq.len() >= blocks).take(256).map(|s| &s.seq[..blocks]).collect();
@@ -76,7 +80,7 @@ fn main() {
                             break 'outer;
                         }
                         let parent = (c > 0).then(|| sess.seq[c * 64 - 1]);
-                        idx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
+                        widx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
                         let n = stored.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
                         let due = Duration::from_secs_f64(n as f64 / 1e6);
                         let el = t0.elapsed();
