@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -114,6 +114,16 @@ class _Worker:
     @property
     def url(self) -> str:
         return self.cfg.url
+
+    @contextlib.contextmanager
+    def dispatched(self) -> Iterator[None]:
+        """Counts one request sent to this worker, in flight until the block exits."""
+        self.in_flight += 1
+        self.served += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -549,14 +559,10 @@ class Gateway:
             up.close()
 
     async def _unified(self, request: web.Request, path: str, raw: bytes, stream: bool, w: _Worker, lease: _Lease) -> web.StreamResponse:
-        w.in_flight += 1
-        w.served += 1
-        try:
+        with w.dispatched():
             up, first = await self._open(w, path, raw, not stream, _forwarded(request))
             lease.prefill_done()
             return await self._relay(request, w, up, first, buffered=not stream)
-        finally:
-            w.in_flight -= 1
 
     async def _pd_vllm(
         self, request: web.Request, path: str, body: dict[str, Any], stream: bool, pw: _Worker, dw: _Worker, lease: _Lease
@@ -577,13 +583,9 @@ class Gateway:
         pbody["max_tokens"] = 1
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
-        pw.in_flight += 1
-        pw.served += 1
-        try:
+        with pw.dispatched():
             up, pdata = await self._open(pw, path, json.dumps(pbody).encode(), True, _forwarded(request))
             up.close()
-        finally:
-            pw.in_flight -= 1
         if up.status != 200:  # a 4xx from the prefill is the client's error: pass it through
             return web.Response(
                 body=pdata, status=up.status, headers={"Content-Type": up.headers.get("Content-Type") or "application/json"}
@@ -595,13 +597,9 @@ class Gateway:
         lease.prefill_done()
         dbody = dict(body)
         dbody["kv_transfer_params"] = presp.get("kv_transfer_params") if isinstance(presp, dict) else None
-        dw.in_flight += 1
-        dw.served += 1
-        try:
+        with dw.dispatched():
             up, first = await self._open(dw, path, json.dumps(dbody).encode(), not stream, _forwarded(request))
             return await self._relay(request, dw, up, first, buffered=not stream)
-        finally:
-            dw.in_flight -= 1
 
     async def _pd_sglang(
         self, request: web.Request, path: str, body: dict[str, Any], stream: bool, pw: _Worker, dw: _Worker, lease: _Lease
@@ -611,36 +609,31 @@ class Gateway:
         tagged = dict(body, bootstrap_host=pw.host, bootstrap_port=pw.cfg.bootstrap_port, bootstrap_room=random.getrandbits(63))
         data = json.dumps(tagged).encode()
         fwd = _forwarded(request)
-        pw.in_flight += 1
-        dw.in_flight += 1
-        pw.served += 1
-        dw.served += 1
 
         async def prefill() -> None:
             up, _ = await self._open(pw, path, data, True, fwd)
             up.close()
             lease.prefill_done()
 
-        ptask = asyncio.ensure_future(prefill())
-        dtask = asyncio.ensure_future(self._open(dw, path, data, not stream, fwd))
-        try:
-            await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
-            if ptask.done() and ptask.exception() is not None:
-                raise ptask.exception()  # type: ignore[misc]
-            up, first = await dtask
-            lease.prefill_done()  # the decode server produced output: its prefill side is done
-            return await self._relay(request, dw, up, first, buffered=not stream)
-        finally:
-            for t in (ptask, dtask):
-                if not t.done():
-                    t.cancel()
-            for t in (ptask, dtask):
-                with contextlib.suppress(BaseException):
-                    r = await t
-                    if isinstance(r, tuple):
-                        r[0].close()
-            pw.in_flight -= 1
-            dw.in_flight -= 1
+        with pw.dispatched(), dw.dispatched():
+            ptask = asyncio.ensure_future(prefill())
+            dtask = asyncio.ensure_future(self._open(dw, path, data, not stream, fwd))
+            try:
+                await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
+                if ptask.done() and ptask.exception() is not None:
+                    raise ptask.exception()  # type: ignore[misc]
+                up, first = await dtask
+                lease.prefill_done()  # the decode server produced output: its prefill side is done
+                return await self._relay(request, dw, up, first, buffered=not stream)
+            finally:
+                for t in (ptask, dtask):
+                    if not t.done():
+                        t.cancel()
+                for t in (ptask, dtask):
+                    with contextlib.suppress(BaseException):
+                        r = await t
+                        if isinstance(r, tuple):
+                            r[0].close()
 
     # ---- other endpoints ---------------------------------------------------------------
 
