@@ -75,29 +75,35 @@ where
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(format!("{what} must be a sequence of ints or a 1-D integer numpy array, not str/bytes")));
     }
+    let mut out: Vec<T> = Vec::with_capacity(obj.len().unwrap_or(0));
+    let mut push = |i: usize, item: Bound<'py, PyAny>| -> PyResult<()> {
+        if item.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!("{what}[{i}] is a bool, expected an int")));
+        }
+        match item.extract::<u64>() {
+            Ok(v) => match T::try_from(v) {
+                Ok(t) => {
+                    out.push(t);
+                    Ok(())
+                }
+                Err(_) => Err(PyValueError::new_err(format!("{what}[{i}] = {v} is out of range; expected 0..={max}"))),
+            },
+            Err(_) if item.extract::<i128>().is_ok() || item.call_method0("__index__").is_ok() => {
+                Err(PyValueError::new_err(format!("{what}[{i}] = {} is out of range; expected 0..={max}", item.repr()?)))
+            }
+            Err(_) => Err(PyTypeError::new_err(format!("{what}[{i}] must be an int, got {}", item.get_type().name()?))),
+        }
+    };
     let iter = obj.try_iter().map_err(|_| {
         PyTypeError::new_err(format!(
             "{what} must be a sequence of ints or a 1-D integer numpy array, got {}",
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
         ))
     })?;
-    let mut vals = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, item) in iter.enumerate() {
-        let item = item?;
-        if item.is_instance_of::<PyBool>() {
-            return Err(PyTypeError::new_err(format!("{what}[{i}] is a bool, expected an int")));
-        }
-        match item.extract::<u64>() {
-            Ok(v) => vals.push(v),
-            Err(_) => {
-                if item.extract::<i128>().is_ok() || item.call_method0("__index__").is_ok() {
-                    return Err(PyValueError::new_err(format!("{what}[{i}] = {} is out of range; expected 0..={max}", item.repr()?)));
-                }
-                return Err(PyTypeError::new_err(format!("{what}[{i}] must be an int, got {}", item.get_type().name()?)));
-            }
-        }
+        push(i, item?)?;
     }
-    to_t(vals, what, max).map(Ids::Owned)
+    Ok(Ids::Owned(out))
 }
 
 fn to_t<T: TryFrom<u64>>(vals: Vec<u64>, what: &str, max: u64) -> PyResult<Vec<T>> {
