@@ -197,15 +197,22 @@ def simulate(
         hit_tokens=hit_tokens,
         total_tokens=total_tokens,
         slo=cluster.slo,
-        scenario=scenario or workload.meta.get("scenario", workload.name),
-        rate=workload.meta.get("rate"),
-        seed=workload.meta.get("seed"),
-        policy=policy,
-        reject=reject,
-        tie_break=tie_break,
+        **_run_labels(workload, scenario, policy, reject, tie_break),
     )
     result.extra.update(rejected_by=misses_by_reason, events_published=engines.events_published)
     return result
+
+
+def _run_labels(workload: Workload, scenario: str | None, policy: str, reject: bool, tie_break: str) -> dict[str, Any]:
+    """What a result says about the run that produced it (scenario, rate, seed, routing settings)."""
+    return {
+        "scenario": scenario or workload.meta.get("scenario", workload.name),
+        "rate": workload.meta.get("rate"),
+        "seed": workload.meta.get("seed"),
+        "policy": policy,
+        "reject": reject,
+        "tie_break": tie_break,
+    }
 
 
 def with_cluster(cluster: ClusterConfig, **changes: Any) -> ClusterConfig:
@@ -343,12 +350,7 @@ def _simulate_pd(
         total_tokens=total_tokens,
         slo=cluster.slo,
         good=good,
-        scenario=scenario or workload.meta.get("scenario", workload.name),
-        rate=workload.meta.get("rate"),
-        seed=workload.meta.get("seed"),
-        policy=policy,
-        reject=reject,
-        tie_break=tie_break,
+        **_run_labels(workload, scenario, policy, reject, tie_break),
     )
     tpots.sort()
     result.extra.update(
