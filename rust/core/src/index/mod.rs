@@ -149,27 +149,26 @@ fn upgrade_spinning(mut ug: RwLockUpgradableReadGuard<'_, Shard>) -> RwLockWrite
     RwLockUpgradableReadGuard::upgrade(ug)
 }
 
-/// Read access to a shard, spinning first: writers hold a shard for a few microseconds at a time,
-/// far less than a park and wake-up round trip costs on a loaded host.
-fn read_spinning(lock: &RwLock<Shard>) -> RwLockReadGuard<'_, Shard> {
-    for _ in 0..READER_SPINS {
-        if let Some(g) = lock.try_read() {
+/// Tries `attempt` up to `spins` times, then falls back to the blocking `block`.
+fn spin_then<G>(spins: u32, mut attempt: impl FnMut() -> Option<G>, block: impl FnOnce() -> G) -> G {
+    for _ in 0..spins {
+        if let Some(g) = attempt() {
             return g;
         }
         std::hint::spin_loop();
     }
-    lock.read()
+    block()
+}
+
+/// Read access to a shard, spinning first: writers hold a shard for a few microseconds at a time,
+/// far less than a park and wake-up round trip costs on a loaded host.
+fn read_spinning(lock: &RwLock<Shard>) -> RwLockReadGuard<'_, Shard> {
+    spin_then(READER_SPINS, || lock.try_read(), || lock.read())
 }
 
 /// Write access to a shard, spinning first (see `upgrade_spinning`).
 fn write_spinning(lock: &RwLock<Shard>) -> RwLockWriteGuard<'_, Shard> {
-    for _ in 0..WRITER_SPINS {
-        if let Some(g) = lock.try_write() {
-            return g;
-        }
-        std::hint::spin_loop();
-    }
-    lock.write()
+    spin_then(WRITER_SPINS, || lock.try_write(), || lock.write())
 }
 const CLOCK_LIMIT: u32 = 1 << 31;
 
