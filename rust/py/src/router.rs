@@ -89,9 +89,9 @@ impl PyRouter {
     #[new]
     #[pyo3(signature = (
         *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
-        shed_load_threshold = 1.0, shed_load_ramp = 1.0, load_window_s = None,
+        shed_load_threshold = 1.0, shed_load_ramp = 1.0, shed_load_sigmas = 2.0, load_window_s = None,
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
-        temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, kv_headroom = 0.2,
+        temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001,
         local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
     ))]
@@ -107,6 +107,7 @@ impl PyRouter {
         admission_work_factor: Option<f64>,
         shed_load_threshold: f64,
         shed_load_ramp: f64,
+        shed_load_sigmas: f64,
         load_window_s: Option<f64>,
         cache_threshold: f64,
         balance_abs_threshold: f64,
@@ -117,6 +118,7 @@ impl PyRouter {
         prefill_weight: f64,
         pressure_weight: f64,
         slo_margin: f64,
+        eviction_weight: f64,
         kv_headroom: f64,
         decode_step_s: f64,
         kv_bytes_per_token: f64,
@@ -143,6 +145,7 @@ impl PyRouter {
             admission_work_factor,
             shed_load_threshold,
             shed_load_ramp,
+            shed_load_sigmas,
             load_window_s,
             cache_threshold,
             balance_abs_threshold,
@@ -153,6 +156,7 @@ impl PyRouter {
             prefill_weight,
             pressure_weight,
             slo_margin,
+            eviction_weight,
             kv_headroom,
             decode_step_s,
             kv_bytes_per_token,
@@ -168,7 +172,7 @@ impl PyRouter {
 
     /// Registers a worker. `role`: "both" (unified), "prefill" or "decode"; registering any
     /// "decode" worker turns on PD mode.
-    #[pyo3(signature = (worker, *, role = "both", prefill_tokens_per_s = 20000.0, kv_capacity_blocks = None, decode_tokens_per_s = None))]
+    #[pyo3(signature = (worker, *, role = "both", prefill_tokens_per_s = 20000.0, kv_capacity_blocks = None, decode_tokens_per_s = None, prefix_cache_blocks = None))]
     fn add_worker(
         &self,
         worker: &Bound<'_, PyAny>,
@@ -176,11 +180,18 @@ impl PyRouter {
         prefill_tokens_per_s: f64,
         kv_capacity_blocks: Option<u64>,
         decode_tokens_per_s: Option<f64>,
+        prefix_cache_blocks: Option<i64>,
     ) -> PyResult<()> {
+        let prefix_cache_blocks = prefix_cache_blocks
+            .map(|b| {
+                u64::try_from(b)
+                    .map_err(|_| PyValueError::new_err(format!("prefix_cache_blocks must be an int >= 0 (blocks) or None, got {b}")))
+            })
+            .transpose()?;
         let id = extract_u64(worker, "worker")?;
         let role = Role::from_name(role)
             .ok_or_else(|| PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")))?;
-        let spec = WorkerSpec { role, prefill_tokens_per_s, kv_capacity_blocks, decode_tokens_per_s };
+        let spec = WorkerSpec { role, prefill_tokens_per_s, kv_capacity_blocks, decode_tokens_per_s, prefix_cache_blocks };
         self.inner.add_worker(id, spec).map_err(to_py)
     }
 
@@ -287,6 +298,7 @@ impl PyRouter {
         d.set_item("decoding", w.decoding)?;
         d.set_item("decode_blocks", w.decode_blocks)?;
         d.set_item("kv_capacity_blocks", w.spec.kv_capacity_blocks)?;
+        d.set_item("prefix_cache_blocks", w.spec.prefix_cache_blocks)?;
         d.set_item("prefill_tokens_per_s", w.spec.prefill_tokens_per_s)?;
         d.set_item("decode_tokens_per_s", w.spec.decode_tokens_per_s)?;
         d.set_item("observed_waiting", w.observed.waiting)?;
@@ -327,6 +339,7 @@ impl PyRouter {
         d.set_item("admission_work_factor", c.admission_factor())?;
         d.set_item("shed_load_threshold", c.shed_load_threshold)?;
         d.set_item("shed_load_ramp", c.shed_load_ramp)?;
+        d.set_item("shed_load_sigmas", c.shed_load_sigmas)?;
         d.set_item("load_window_s", c.load_window())?;
         d.set_item("cache_threshold", c.cache_threshold)?;
         d.set_item("balance_abs_threshold", c.balance_abs_threshold)?;
@@ -337,6 +350,7 @@ impl PyRouter {
         d.set_item("prefill_weight", c.prefill_weight)?;
         d.set_item("pressure_weight", c.pressure_weight)?;
         d.set_item("slo_margin", c.slo_margin)?;
+        d.set_item("eviction_weight", c.eviction_weight)?;
         d.set_item("kv_headroom", c.kv_headroom)?;
         d.set_item("decode_step_s", c.decode_step_s)?;
         d.set_item("kv_bytes_per_token", c.kv_bytes_per_token)?;

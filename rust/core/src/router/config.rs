@@ -92,6 +92,12 @@ pub struct RouterConfig {
     pub shed_load_threshold: f64,
     /// See `shed_load_threshold`.
     pub shed_load_ramp: f64,
+    /// Shed only on evident overload: the offered load compared with `shed_load_threshold` is the
+    /// estimate minus this many of its standard errors (arrivals as a compound Poisson stream:
+    /// the decaying average has variance rate * E[tokens^2] / (2 * window)), so that the
+    /// estimator's noise around capacity does not turn long prompts away. Default 2 (a one-sided
+    /// ~98% bound); 0: the estimate itself (the previous rule).
+    pub shed_load_sigmas: f64,
     /// Time constant (seconds) of the offered-load estimate (an exponentially decaying average).
     /// None: 5 x `ttft_slo`, or 10 s without one — a few SLOs, the horizon a queue lives for.
     pub load_window_s: Option<f64>,
@@ -115,6 +121,10 @@ pub struct RouterConfig {
     /// "slack": weight of the queueing the choice imposes on later requests there, modelled as
     /// work * (queue + work) / ttft_slo (convex: the same work hurts more on a worker near the SLO).
     pub pressure_weight: f64,
+    /// "slack": weight of `evict_time`, the prefill seconds of cached blocks a worker's full prefix
+    /// cache would evict to store the request (workers registered with `prefix_cache_blocks`).
+    /// 0 (the default): not charged, and occupancy is not looked up.
+    pub eviction_weight: f64,
     /// "slack": fraction of the TTFT SLO held back as a safety margin when judging feasibility.
     pub slo_margin: f64,
     /// A decode worker has room when used + need * (1 + headroom) <= capacity.
@@ -151,6 +161,7 @@ impl Default for RouterConfig {
             admission_work_factor: None,
             shed_load_threshold: 1.0,
             shed_load_ramp: 1.0,
+            shed_load_sigmas: 2.0,
             load_window_s: None,
             cache_threshold: 0.3,
             balance_abs_threshold: 64.0,
@@ -161,6 +172,7 @@ impl Default for RouterConfig {
             prefill_weight: 1.0,
             pressure_weight: 8.0,
             slo_margin: 0.0,
+            eviction_weight: 0.0,
             kv_headroom: 0.2,
             decode_step_s: 0.01,
             // Llama-3-70B-like: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
@@ -233,6 +245,8 @@ impl RouterConfig {
         }
         finite_nonneg("shed_load_threshold", self.shed_load_threshold)?;
         finite_nonneg("shed_load_ramp", self.shed_load_ramp)?;
+        finite_nonneg("shed_load_sigmas", self.shed_load_sigmas)?;
+        finite_nonneg("eviction_weight", self.eviction_weight)?;
         if let Some(w) = self.load_window_s {
             check(w.is_finite() && w > 0.0, || format!("load_window_s must be a finite number > 0 seconds, got {w}"))?;
         }

@@ -97,6 +97,9 @@ pub struct Candidate {
     pub in_flight: u32,
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
+    /// Prefill seconds' worth of cached blocks this worker's LRU would evict to store the
+    /// request's uncached blocks (0 while its prefix cache has room, or its size is unknown).
+    pub evict_time: f64,
     /// The policy's score (lower is better), for `explain`.
     pub score: f64,
 }

@@ -14,11 +14,20 @@ pub struct WorkerSpec {
     pub kv_capacity_blocks: Option<u64>,
     /// Saturated decode throughput over the whole batch, tokens per second; None: TPOT unknown.
     pub decode_tokens_per_s: Option<f64>,
+    /// Prefix-cache capacity in blocks (the engine's reusable KV pool); None: unknown, and the
+    /// router never charges a placement for the cached blocks it would evict.
+    pub prefix_cache_blocks: Option<u64>,
 }
 
 impl Default for WorkerSpec {
     fn default() -> Self {
-        WorkerSpec { role: Role::Both, prefill_tokens_per_s: 20_000.0, kv_capacity_blocks: None, decode_tokens_per_s: None }
+        WorkerSpec {
+            role: Role::Both,
+            prefill_tokens_per_s: 20_000.0,
+            kv_capacity_blocks: None,
+            decode_tokens_per_s: None,
+            prefix_cache_blocks: None,
+        }
     }
 }
 

@@ -80,6 +80,8 @@ struct State {
     py_rng: crate::sim::PyRandom,
     /// Offered prefill load: decaying average of arriving uncached tokens per second.
     offered_rate: f64,
+    /// The same average of squared tokens: with `offered_rate`, the estimate's standard error.
+    offered_sq: f64,
     offered_at: Option<f64>,
 }
 
@@ -131,6 +133,7 @@ impl Router {
                 rng,
                 py_rng: crate::sim::PyRandom::new(cfg.seed),
                 offered_rate: 0.0,
+                offered_sq: 0.0,
                 offered_at: None,
             }),
             epoch: Instant::now(),
@@ -381,6 +384,16 @@ impl Router {
         let uncached = num_tokens - cached;
         let queue_delay = w.queue_delay(now);
         let prefill_time = w.prefill_time(uncached);
+        let evict_time = match w.spec.prefix_cache_blocks {
+            // Only looked up when charged: the occupancy count reads every index shard.
+            Some(capacity) if self.cfg.eviction_weight > 0.0 => {
+                // The engine stores the full blocks it lacks; an LRU at capacity evicts as many.
+                let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
+                let evicted = (self.index.num_blocks(w.id) + stored).saturating_sub(capacity).min(stored);
+                w.prefill_time(evicted * self.cfg.block_size as u64)
+            }
+            _ => 0.0,
+        };
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -394,6 +407,7 @@ impl Router {
             in_flight: w.in_flight(),
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
+            evict_time,
             score: 0.0,
         }
     }
@@ -483,7 +497,7 @@ impl Router {
             let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer);
             st.cands.push(c);
         }
-        let rho = Self::record_offered(st, cfg, now, num_tokens);
+        let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
         if st.cands.is_empty() && decode_filtered == 0 {
             return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
         }
@@ -526,7 +540,7 @@ impl Router {
                     num_tokens,
                     block_size: cfg.block_size,
                     ttft_slo: cfg.ttft_slo,
-                    admission_work_factor: cfg.admission_factor_at(rho),
+                    admission_work_factor: cfg.admission_factor_at(rho_evident),
                 };
                 let (mut i, mut reason) = match pinned {
                     Some(_) => (0, Reason::Pinned),
@@ -622,17 +636,22 @@ impl Router {
     /// Folds this arrival into the offered-load estimate and returns the load as a fraction of the
     /// prefill pool's capacity. The request is counted at its cheapest candidate (the least it can
     /// cost the cluster), admitted or not: rejected requests are offered load too.
-    fn record_offered(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> f64 {
+    fn record_offered(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> (f64, f64) {
         let tokens = st.cands.iter().map(|c| c.uncached_tokens).min().unwrap_or(num_tokens);
         let tau = cfg.load_window();
         let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
-        st.offered_rate = st.offered_rate * (-dt / tau).exp() + tokens as f64 / tau;
+        let decay = (-dt / tau).exp();
+        st.offered_rate = st.offered_rate * decay + tokens as f64 / tau;
+        st.offered_sq = st.offered_sq * decay + (tokens as f64).powi(2) / tau;
         st.offered_at = Some(st.offered_at.map_or(now, |t| t.max(now)));
         let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
         if capacity > 0.0 {
-            st.offered_rate / capacity
+            // Arrivals are (close to) a compound Poisson stream: the exponentially weighted rate
+            // has variance lambda * E[tokens^2] / (2 tau), and offered_sq estimates lambda * E[tokens^2].
+            let std_err = (st.offered_sq / (2.0 * tau)).sqrt();
+            (st.offered_rate / capacity, (st.offered_rate - cfg.shed_load_sigmas * std_err).max(0.0) / capacity)
         } else {
-            0.0
+            (0.0, 0.0)
         }
     }
 

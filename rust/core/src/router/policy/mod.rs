@@ -67,6 +67,7 @@ pub fn make_policy(cfg: &RouterConfig) -> Option<Box<dyn Policy>> {
             queue_weight: cfg.queue_weight,
             prefill_weight: cfg.prefill_weight,
             pressure_weight: cfg.pressure_weight,
+            eviction_weight: cfg.eviction_weight,
             slo_margin: cfg.slo_margin,
         }),
         _ => return None,

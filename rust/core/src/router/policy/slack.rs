@@ -8,7 +8,8 @@
 //! requests, while the SLO constraint keeps cache affinity from building hot spots: a worker whose
 //! queue would break the SLO is not eligible however good its overlap. When no worker keeps the
 //! SLO (or none is set) it degrades to the same cost over all workers; the router's SLO check then
-//! falls back to minimum TTFT or rejects.
+//! falls back to minimum TTFT or rejects. With `eviction_weight` (off by default) a worker whose
+//! full prefix cache would evict cached blocks to store this request is charged their recompute.
 
 use super::{admission_ttft, pick_min, Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
@@ -17,6 +18,7 @@ pub struct Slack {
     pub queue_weight: f64,
     pub prefill_weight: f64,
     pub pressure_weight: f64,
+    pub eviction_weight: f64,
     pub slo_margin: f64,
 }
 
@@ -30,7 +32,8 @@ impl Policy for Slack {
             let work = c.prefill_time + c.transfer_time;
             c.score = self.queue_weight * c.queue_delay
                 + self.prefill_weight * work
-                + self.pressure_weight * work * (c.queue_delay + work) / scale;
+                + self.pressure_weight * work * (c.queue_delay + work) / scale
+                + self.eviction_weight * c.evict_time;
         }
         let limit = ctx.ttft_slo.map_or(f64::INFINITY, |s| s * (1.0 - self.slo_margin));
         let key = |c: &Candidate| (c.score, c.predicted_ttft);
