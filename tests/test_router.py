@@ -207,6 +207,55 @@ def test_overload_turns_size_aware_admission_on():
     assert r.offered_load(now=61.0) < 0.01  # the estimate decays
 
 
+def test_shedding_waits_for_evident_overload():
+    # Three uncached 80k-token prompts (4 s each, rejected on an idle worker) put the offered load
+    # at 1.2x capacity, but three arrivals are no evidence of overload (standard error ~0.5x).
+    def run(**kw):
+        r = make("slack", n=1, ttft_slo=2.0, **kw)
+        for k in range(3):
+            assert not r.route(prompt(200 + k, 80_000), now=0.0).admitted
+        assert r.offered_load(now=0.0) == pytest.approx(1.2)
+        r.observe(0, queue_delay=1.5, now=0.0)
+        return r.route(prompt(31, 8000), now=0.0)  # 1.9 s predicted: keeps the 2 s SLO
+
+    assert make("slack").config["shed_load_sigmas"] == 2.0
+    assert run().admitted
+    d = run(shed_load_sigmas=0.0)  # the bare estimate (previous rule) sheds it
+    assert (d.admitted, d.reason) == (False, "rejected_ttft")
+
+
+def test_eviction_charge_prefers_a_worker_with_free_prefix_cache():
+    # 10-block prefix caches; worker 0's is full, worker 1's holds 2 blocks. A 4-block uncached
+    # prompt costs the same prefill on both, but on worker 0 it evicts 4 cached blocks.
+    def build(**kw):
+        r = Router(policy="slack", ttft_slo=2.0, tie_break="lowest", **kw)
+        for w in range(2):
+            r.add_worker(w, prefill_tokens_per_s=SPEED, prefix_cache_blocks=10)
+        hold(r, 0, prompt(40, 640))
+        hold(r, 1, prompt(41, 128))
+        return r
+
+    p = prompt(42, 256)
+    d = build(eviction_weight=1.0).route(p, now=0.0, explain=True)
+    assert d.worker == 1
+    s0, s1 = (e["score"] for e in d.explain)
+    assert s0 - s1 == pytest.approx(256 / SPEED)
+    assert build().route(p, now=0.0).worker == 0  # off by default: a tie, the lowest id
+    r = build()
+    assert r.config["eviction_weight"] == 0.0 and r.load(0)["prefix_cache_blocks"] == 10
+
+
+@pytest.mark.parametrize("kw", [{"shed_load_sigmas": -1.0}, {"eviction_weight": float("nan")}, {"eviction_weight": -1.0}])
+def test_bad_slack_settings_are_rejected(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        Router(**kw)
+
+
+def test_bad_prefix_cache_blocks_is_rejected():
+    with pytest.raises(ValueError, match="prefix_cache_blocks"):
+        Router().add_worker(0, prefix_cache_blocks=-1)
+
+
 @pytest.mark.parametrize("kw", [{"shed_load_threshold": -1.0}, {"shed_load_ramp": float("nan")}, {"load_window_s": 0.0}])
 def test_bad_load_gate_settings_are_rejected(kw):
     with pytest.raises(ValueError):

@@ -127,6 +127,7 @@ class WorkerLoad(TypedDict):
     decoding: int
     decode_blocks: int
     kv_capacity_blocks: int | None
+    prefix_cache_blocks: int | None
     prefill_tokens_per_s: float
     decode_tokens_per_s: float | None
     observed_waiting: int | None
@@ -190,6 +191,7 @@ class Router:
         admission_work_factor: float | None = None,
         shed_load_threshold: float = 1.0,
         shed_load_ramp: float = 1.0,
+        shed_load_sigmas: float = 2.0,
         load_window_s: float | None = None,
         cache_threshold: float = 0.3,
         balance_abs_threshold: float = 64.0,
@@ -200,6 +202,7 @@ class Router:
         prefill_weight: float = 1.0,
         pressure_weight: float = 8.0,
         slo_margin: float = 0.0,
+        eviction_weight: float = 0.0,
         kv_headroom: float = 0.2,
         decode_step_s: float = 0.01,
         kv_bytes_per_token: float = 327680.0,
@@ -219,6 +222,7 @@ class Router:
         prefill_tokens_per_s: float = 20000.0,
         kv_capacity_blocks: int | None = None,
         decode_tokens_per_s: float | None = None,
+        prefix_cache_blocks: int | None = None,
     ) -> None: ...
     def remove_worker(self, worker: int) -> None: ...
     def route(

@@ -452,3 +452,71 @@ fn random_policy_draws_like_cpython_randrange() {
         assert_eq!(route(&r, &p, k as f64).worker, py.randbelow(8));
     }
 }
+
+#[test]
+fn shedding_waits_for_evident_overload() {
+    // Three uncached 80k-token prompts (4 s each: rejected on an idle worker with a 2 s SLO) put
+    // the offered load at 1.2x capacity, but three arrivals are no evidence of overload: the
+    // estimate's standard error is ~0.5 of capacity. An 8000-token prompt behind a 1.5 s queue
+    // (1.9 s, keeps the SLO) is admitted; the previous rule (the bare estimate) turns it away.
+    let run = |sigmas: f64| {
+        let r = slack_router(RouterConfig { shed_load_sigmas: sigmas, ..Default::default() });
+        for k in 0..3 {
+            let d = route(&r, &prompt(200 + k, 80_000), 0.0);
+            assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
+        }
+        assert!((r.offered_load(Some(0.0)).unwrap() - 1.2).abs() < 1e-9);
+        r.observe(0, Observed::default(), Some(1.5), Some(0.0)).unwrap();
+        route(&r, &prompt(31, 8000), 0.0)
+    };
+    assert_eq!(RouterConfig::default().shed_load_sigmas, 2.0);
+    let d = run(2.0);
+    assert!(d.admitted && (d.predicted_ttft - 1.9).abs() < 1e-9, "{d:?}");
+    let d = run(0.0);
+    assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
+}
+
+#[test]
+fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
+    // Both workers hold 10-block prefix caches; worker 0's is full (10 blocks of another prompt),
+    // worker 1's holds 2. A 4-block uncached prompt costs the same prefill on either, but on
+    // worker 0 storing it evicts 4 cached blocks (4 * 64 / 20000 s of recompute).
+    let make = |eviction_weight: f64| {
+        let cfg = RouterConfig { eviction_weight, tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..2 {
+            r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(10), ..Default::default() }).unwrap();
+        }
+        store(&r, 0, &prompt(40, 640));
+        store(&r, 1, &prompt(41, 128));
+        r
+    };
+    let p = prompt(42, 256);
+    let charged = make(1.0);
+    let d = charged.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 1);
+    let ex = d.explain.unwrap();
+    assert!((ex[0].score - ex[1].score - 256.0 / 20000.0).abs() < 1e-12, "{ex:?}");
+    // Off (the default): equal scores, the lowest id.
+    assert_eq!(RouterConfig::default().eviction_weight, 0.0);
+    assert_eq!(route(&make(0.0), &p, 0.0).worker, 0);
+    // Unknown capacity: nothing to charge.
+    let r = Router::new(RouterConfig { eviction_weight: 1.0, tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    store(&r, 0, &prompt(40, 640));
+    assert_eq!(route(&r, &p, 0.0).worker, 0);
+}
+
+#[test]
+fn new_slack_knobs_are_validated() {
+    for cfg in [
+        RouterConfig { shed_load_sigmas: -1.0, ..Default::default() },
+        RouterConfig { shed_load_sigmas: f64::NAN, ..Default::default() },
+        RouterConfig { eviction_weight: -0.5, ..Default::default() },
+        RouterConfig { eviction_weight: f64::INFINITY, ..Default::default() },
+    ] {
+        assert!(matches!(Router::new(cfg, None), Err(RouterError::InvalidConfig(_))));
+    }
+}
