@@ -14,6 +14,7 @@ import kvroute
 import pytest
 from aiohttp import web
 from kvroute.gateway.app import Gateway, gateway_app, make_gateway
+from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.mock import MockWorker, Rendezvous
 
 __all__ = ["Cluster", "MockWorker", "Rendezvous", "assert_no_leak", "http_server", "poll", "run"]
@@ -89,11 +90,13 @@ class Cluster:
         self._gw = make_gateway(
             self.router, workers, prefill=[m.url for m in self.prefill], decode=[m.url for m in self.decode], **self.gateway_kw
         )
-        if self.server == "lean":
+        if self.server in ("lean", "rust"):
+            from kvroute.gateway.dataplane import serve_with_data_plane
             from kvroute.gateway.server import serve_lean
 
             up: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            self._lean = asyncio.ensure_future(serve_lean(self._gw, "127.0.0.1", 0, up.set_result))
+            serve = serve_lean if self.server == "lean" else serve_with_data_plane
+            self._lean = asyncio.ensure_future(serve(self._gw, "127.0.0.1", 0, up.set_result))
             done, _ = await asyncio.wait((up, self._lean), return_when=asyncio.FIRST_COMPLETED)
             if self._lean in done:
                 self._lean.result()  # raises the startup error
@@ -112,7 +115,7 @@ class Cluster:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.close()
-        if self.server == "lean":
+        if self.server in ("lean", "rust"):
             self._lean.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._lean
@@ -124,6 +127,16 @@ class Cluster:
     @property
     def gw(self) -> Gateway:
         return self._gw
+
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """The gateway's counters, the Rust data plane's folded in when it runs."""
+        return self._gw.metrics_view()
+
+    def in_flight(self) -> int:
+        """Requests holding an admission slot, in the Python gateway and the data plane."""
+        dp = self._gw.data_plane
+        return self._gw._in_flight + (dp.in_flight if dp is not None else 0)
 
     def worker_id(self, mock: MockWorker) -> int:
         return next(w.id for w in self.gw.workers.values() if w.url == mock.url)
@@ -145,11 +158,16 @@ def assert_no_leak(c: Cluster) -> None:
         assert load["in_flight"] == 0 and load["prefilling"] == 0 and load["decoding"] == 0, (wid, load)
     assert all(w.in_flight == 0 for w in gw.workers.values()), [w.to_dict() for w in gw.workers.values()]
     assert gw._in_flight == 0 and not gw._client_active
+    dp = gw.data_plane
+    if dp is not None:
+        assert dp.in_flight == 0 and dp.active_clients == 0, (dp.in_flight, dp.active_clients)
+        assert all(w["in_flight"] == 0 for w in dp.workers()), dp.workers()
 
 
-@pytest.fixture(params=["aiohttp", "lean"], autouse=False)
+@pytest.fixture(params=["aiohttp", "lean", "rust"], autouse=False)
 def http_server(request: pytest.FixtureRequest) -> Any:
-    """Runs a test once per HTTP server the gateway can sit on (import it into a test module and
+    """Runs a test once per HTTP server the gateway can sit on, the Rust data plane in front of the
+    lean server included (import it into a test module and
     mark the module ``pytestmark = pytest.mark.usefixtures("http_server")``)."""
     Cluster.default_server = request.param
     yield request.param

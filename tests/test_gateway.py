@@ -110,8 +110,8 @@ def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as s:
                     await s.post(c.url + "/v1/completions", json={"prompt": "y" * 400, "max_tokens": 5})
             await poll(lambda: mock.cancelled == 2, what="upstream cancellation before the first byte")
-            await poll(lambda: c.gw._in_flight == 0, what="gateway to release the request")
-            assert c.gw.metrics.client_disconnects == 2
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the request")
+            assert c.metrics.client_disconnects == 2
             assert mock.completed == 0
             assert_no_leak(c)
 
@@ -135,10 +135,10 @@ def test_5xx_is_retried_on_next_worker_and_worker_probed_back() -> None:
             status, headers, data = await c.post("/v1/completions", body)
             assert status == 200 and headers["X-Kvroute-Worker"] == good.url, data
             assert data.endswith(b"data: [DONE]\n\n")
-            assert bad.requests == 1 and c.gw.metrics.retries == 1
+            assert bad.requests == 1 and c.metrics.retries == 1
             wbad = c.gw.workers[c.worker_id(bad)]
             assert not wbad.healthy and c.worker_id(bad) not in c.router.workers()
-            assert c.gw.metrics.upstream_errors[bad.url] == 1
+            assert c.metrics.upstream_errors[bad.url] == 1
             bad.healthy = True
             await poll(lambda: wbad.healthy, what="probe to bring the worker back")
             assert c.worker_id(bad) in c.router.workers()
@@ -222,7 +222,7 @@ def test_early_rejection_answers_429_with_retry_after() -> None:
             assert int(headers["Retry-After"]) >= 1
             assert "rejected" in json.loads(data)["error"]["message"]
             assert c.mocks[0].requests == 0
-            assert sum(c.gw.metrics.rejections.values()) == 1
+            assert sum(c.metrics.rejections.values()) == 1
             status, _, _ = await c.post("/v1/completions", {"prompt": "short", "max_tokens": 1})
             assert status == 200
             assert_no_leak(c)
@@ -269,7 +269,7 @@ def test_per_client_concurrency_limit() -> None:
             status, _, _ = await c.post("/v1/completions", {"prompt": "other client"}, headers={"X-Api-Key": "b"})
             assert status == 200
             assert [s for s, _, _ in await asyncio.gather(*slow)] == [200, 200]
-            assert c.gw.metrics.rejections["client_concurrency"] == 1
+            assert c.metrics.rejections["client_concurrency"] == 1
             assert_no_leak(c)
 
     run(scenario())

@@ -50,7 +50,7 @@ def test_2000_requests_at_200_per_second_zero_lost() -> None:
             assert results == {"ok": N}, results.most_common(5)
             served = [m.completed for m in c.mocks]
             assert sum(served) == N and min(served) > 0, served
-            assert c.gw.metrics.requests[("/v1/completions", "2xx")] == N
+            assert c.metrics.requests[("/v1/completions", "2xx")] == N
             assert_no_leak(c)
 
     run(scenario(), timeout=60)

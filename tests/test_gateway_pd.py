@@ -91,7 +91,7 @@ def test_pd_sglang_convention_bootstrap_to_both() -> None:
             assert status == 200, data
             other = next(m for m in c.prefill if m is not prefill)
             assert other.bodies[-1]["bootstrap_room"] != pb["bootstrap_room"]
-            assert c.gw.metrics.retries == 1
+            assert c.metrics.retries == 1
             assert_no_leak(c)
 
     run(scenario())

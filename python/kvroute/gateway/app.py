@@ -219,6 +219,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None  # health probes, /metrics, /v1/models
         self.upstream: UpstreamPool | None = None  # the request path
         self.subscriber: Any = None
+        self.data_plane: Any = None  # kvroute._core.DataPlane in front of this gateway, when attached
         # Without KV events the router learns cache state from its own decisions (approximate mode).
         insert = self.config.insert_decisions if self.config.insert_decisions is not None else not self.config.kv_events
         self.approx: ApproxCache | None = ApproxCache(router.index, self.config.approx_ttl) if insert else None
@@ -239,6 +240,12 @@ class Gateway:
             wc = replace(wc, bootstrap_port=8998)  # SGLang's default --disaggregation-bootstrap-port
         w = _Worker(next(self._ids), wc)
         self._register(w)
+        if self.data_plane is not None:
+            try:
+                self.data_plane.add_worker(w.id, w.url, role=wc.role)
+            except ValueError:
+                self.router.remove_worker(w.id)
+                raise
         self.workers[w.id] = w
         return w
 
@@ -254,6 +261,8 @@ class Gateway:
 
     def remove_worker(self, wid: int) -> _Worker:
         w = self.workers.pop(wid)
+        if self.data_plane is not None:
+            self.data_plane.remove_worker(wid)
         if w.healthy:
             with contextlib.suppress(UnknownWorkerError):
                 self.router.remove_worker(wid)
@@ -268,11 +277,56 @@ class Gateway:
         if w.healthy and w.id in self.workers:
             log.warning("worker %s marked unhealthy: %s", w.url, reason)
             w.healthy = False
+            if self.data_plane is not None:
+                self.data_plane.set_healthy(w.id, False)
             with contextlib.suppress(UnknownWorkerError):
                 self.router.remove_worker(w.id)
             if self.approx is not None:
                 self.approx.drop_worker(w.id)
         self._probe_soon(w)
+
+    def plane_marked_unhealthy(self, wid: int, reason: str) -> None:
+        """The data plane took a worker out of routing (it already removed it from the Router and
+        dropped its approximate blocks): mirror that here and probe it back."""
+        w = self.workers.get(wid)
+        if w is None:
+            return
+        if w.healthy:
+            log.warning("worker %s marked unhealthy by the data plane: %s", w.url, reason)
+            w.healthy = False
+        self._probe_soon(w)
+
+    def attach_data_plane(self, plane: Any) -> None:
+        """Puts a ``kvroute._core.DataPlane`` in front of this gateway (before it starts): the plane
+        learns the workers, and both planes share one approximate cache, expired by the plane."""
+        from kvroute.gateway.dataplane import CLIENT_HEADER, PlaneApprox
+
+        if self.data_plane is not None:
+            raise ValueError("a data plane is already attached to this gateway")
+        for w in self.workers.values():
+            plane.add_worker(w.id, w.url, role=w.cfg.role)
+        self.data_plane = plane
+        if self.approx is not None and plane.has_approx:
+            self.approx = cast(ApproxCache, PlaneApprox(plane))
+        # Requests arrive from the plane's loopback address; it names the real client in a header.
+        self.config = replace(self.config, client_key_header=CLIENT_HEADER)
+
+    def metrics_view(self) -> GatewayMetrics:
+        """This gateway's counters, with the data plane's folded in when one is attached."""
+        if self.data_plane is None:
+            return self.metrics
+        return self.metrics.merged(self.data_plane.metrics())
+
+    def _worker_dicts(self) -> list[dict[str, Any]]:
+        rows = [w.to_dict() for w in self.workers.values()]
+        if self.data_plane is not None:
+            plane = {r["id"]: r for r in self.data_plane.workers()}
+            for row in rows:
+                p = plane.get(row["id"])
+                if p is not None:
+                    row["in_flight"] += p["in_flight"]
+                    row["requests"] += p["requests"]
+        return rows
 
     def _probe_soon(self, w: _Worker) -> None:
         if not w.probing and self.session is not None:
@@ -287,6 +341,8 @@ class Gateway:
             while not w.healthy and w.id in self.workers:
                 if await self._healthy(w):
                     w.healthy = True
+                    if self.data_plane is not None:
+                        self.data_plane.set_healthy(w.id, True)
                     self._register(w)
                     log.warning("worker %s is healthy again", w.url)
                     return
@@ -314,7 +370,7 @@ class Gateway:
             skip_auto_headers=("User-Agent",),
         )
         loop = asyncio.get_running_loop()
-        if self.approx is not None:
+        if self.approx is not None and self.data_plane is None:  # with a data plane, it expires the cache
             self._tasks.append(loop.create_task(self._expire_loop()))
         if self.config.metrics_interval > 0:
             self._tasks.append(loop.create_task(self._metrics_loop()))
@@ -661,12 +717,14 @@ class Gateway:
         roles = self.healthy_roles()
         pd = any(w.cfg.role != "both" for w in self.workers.values())
         ok = ({"prefill", "decode"} <= roles or "both" in roles) if pd else "both" in roles
-        body = {"status": "ok" if ok else "unavailable", "workers": [w.to_dict() for w in self.workers.values()]}
+        body = {"status": "ok" if ok else "unavailable", "workers": self._worker_dicts()}
         return web.json_response(body, status=200 if ok else 503)
 
     async def handle_metrics(self, _request: web.Request) -> web.StreamResponse:
-        rows = [(w.url, w.cfg.role, w.healthy, w.in_flight, w.served) for w in self.workers.values()]
-        return web.Response(body=self.metrics.render(rows).encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        rows = [(d["url"], d["role"], d["healthy"], d["in_flight"], d["requests"]) for d in self._worker_dicts()]
+        return web.Response(
+            body=self.metrics_view().render(rows).encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
     # ---- admin API ---------------------------------------------------------------------
 
@@ -688,7 +746,7 @@ class Gateway:
         return await handler(request)
 
     async def admin_list(self, _request: web.Request) -> web.StreamResponse:
-        return web.json_response({"workers": [w.to_dict() for w in self.workers.values()]})
+        return web.json_response({"workers": self._worker_dicts()})
 
     async def admin_add(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["GatewayMetrics", "Histogram", "parse_engine_metrics"]
 
@@ -25,6 +27,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, v)] += 1
         self.sum += v
         self.count += 1
+
+    def merged(self, counts: Sequence[int], total: float, count: int) -> Histogram:
+        """A copy with another histogram over the same buckets added (per-bucket counts, +Inf last)."""
+        if len(counts) != len(self.counts):
+            raise ValueError(f"histograms differ in buckets: {len(counts)} counts for {len(self.counts)}")
+        h = Histogram(self.bounds)
+        h.counts = [a + b for a, b in zip(self.counts, counts)]
+        h.sum = self.sum + total
+        h.count = self.count + count
+        return h
 
     def render(self, name: str, help_: str) -> list[str]:
         out = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
@@ -58,6 +70,29 @@ class GatewayMetrics:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.routing = Histogram(ROUTING_BUCKETS)
+
+    def merged(self, plane: Mapping[str, Any]) -> GatewayMetrics:
+        """A copy with the Rust data plane's counters (``DataPlane.metrics()``) added."""
+        if tuple(plane["routing_bounds"]) != self.routing.bounds:
+            raise ValueError("the data plane's routing buckets differ from ROUTING_BUCKETS")
+        m = GatewayMetrics()
+        for source in (self.requests, plane["requests"]):
+            for key, n in source.items():
+                m.requests[key] += n
+        for counts, out in (
+            (self.rejections, m.rejections),
+            (plane["rejections"], m.rejections),
+            (self.upstream_errors, m.upstream_errors),
+            (plane["upstream_errors"], m.upstream_errors),
+        ):
+            for name, n in counts.items():
+                out[name] += n
+        m.retries = self.retries + plane["retries"]
+        m.client_disconnects = self.client_disconnects + plane["client_disconnects"]
+        m.prompt_tokens = self.prompt_tokens + plane["prompt_tokens"]
+        m.cached_tokens = self.cached_tokens + plane["cached_tokens"]
+        m.routing = self.routing.merged(plane["routing_counts"], plane["routing_sum"], plane["routing_count"])
+        return m
 
     def render(self, workers: list[tuple[str, str, bool, int, int]]) -> str:
         """``workers``: (url, role, healthy, in_flight, requests served) per worker."""

@@ -9,6 +9,7 @@ import contextlib
 import http
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -254,15 +255,22 @@ class _LeanServer:
         return await self.gw.admin_auth(req, handler)  # type: ignore[arg-type]
 
 
-async def serve_lean(gw: Gateway, host: str, port: int, ready: Callable[[str], None] | None = None) -> None:
-    """Runs the gateway on the lean server until cancelled; ``gw.start``/``gw.stop`` around it."""
+async def serve_lean(
+    gw: Gateway, host: str, port: int, ready: Callable[[str], None] | None = None, *, sock: socket.socket | None = None
+) -> None:
+    """Runs the gateway on the lean server until cancelled; ``gw.start``/``gw.stop`` around it.
+    ``sock``: an already bound socket to serve on instead of ``host:port``."""
     srv = _LeanServer(gw)
     await gw.start()
-    server = await asyncio.get_running_loop().create_server(lambda: _Conn(srv), host, port)
+    loop = asyncio.get_running_loop()
+    if sock is not None:
+        server = await loop.create_server(lambda: _Conn(srv), sock=sock)
+    else:
+        server = await loop.create_server(lambda: _Conn(srv), host, port)
     try:
         if ready is not None:
-            sock = server.sockets[0].getsockname()
-            ready(f"http://{sock[0]}:{sock[1]}")
+            bound = server.sockets[0].getsockname()
+            ready(f"http://{bound[0]}:{bound[1]}")
         await server.serve_forever()
     finally:
         server.close()

@@ -2,6 +2,7 @@
 //! exceptions, and the GIL released around every call that does real work.
 
 mod convert;
+mod dataplane;
 mod errors;
 mod events;
 mod index;
@@ -67,5 +68,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     router::register(m)?;
     m.add("EventError", m.py().get_type::<events::EventError>())?;
+    dataplane::register(m)?;
     Ok(())
 }

@@ -81,7 +81,7 @@ fn check_time(v: Option<f64>, what: &str) -> PyResult<Option<f64>> {
 /// True
 #[pyclass(frozen, module = "kvroute._core", name = "Router")]
 pub struct PyRouter {
-    inner: Arc<Router>,
+    pub(crate) inner: Arc<Router>,
 }
 
 #[pymethods]

@@ -1,0 +1,18 @@
+//! kvroute's data plane: an HTTP/1.1 front door (hyper on tokio) that serves unified approximate-mode
+//! completions itself on the core `Router` and forwards every other request to the Python gateway.
+//!
+//! Why two planes: the Python gateway holds all the semantics (PD conventions, exact tokenization,
+//! admin API, health probes, /metrics), but a Python relay alone costs about as much CPU as the whole
+//! routing-overhead budget. The hot path — parse, hash, route, relay — therefore runs here, with no
+//! GIL, on the same `Router` and `KvIndex` the Python side uses; everything else is forwarded byte for
+//! byte to the Python gateway on an internal loopback port.
+
+pub mod approx;
+pub mod metrics;
+mod plane;
+pub mod prompt;
+
+pub use approx::ApproxCache;
+pub use metrics::{MetricsSnapshot, ROUTING_BUCKETS};
+pub use plane::{DataPlane, PlaneConfig, PlaneError, UnhealthyHook, WorkerRow, CLIENT_HEADER, REQUEST_ID_BASE};
+pub use prompt::{approx_prompt, ApproxPrompt};

@@ -1,0 +1,972 @@
+//! The data plane's server: admission limits, the hot path (hash, route, relay with load accounting
+//! and retries) and the byte-for-byte forwarding of everything else to the Python gateway.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kvroute_core::router::decision::Path as RoutePath;
+use kvroute_core::{RouteRequest, Router, RouterError, WorkerId};
+use parking_lot::{Mutex, RwLock};
+use serde_json::Value;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::time::Sleep;
+
+use crate::approx::ApproxCache;
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::prompt::{approx_prompt, ApproxPrompt};
+
+/// The header carrying the client's identity to the Python gateway (set here, never trusted from clients).
+pub const CLIENT_HEADER: &str = "x-kvroute-client";
+/// Request ids of the data plane's routes have the top bit set, so they never collide with the
+/// Python gateway's (a counter from 1) in the shared Router.
+pub const REQUEST_ID_BASE: u64 = 1 << 63;
+
+/// Client headers the engines may need (API key, request id, trace context): Python's `_FORWARD`.
+const FORWARD: [&str; 3] = ["authorization", "x-request-id", "traceparent"];
+/// Connection-level headers a proxy must not pass on.
+const HOP_BY_HOP: [&str; 8] =
+    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate"];
+
+/// How the data plane behaves; the Python side fills it from its GatewayConfig.
+#[derive(Clone, Debug)]
+pub struct PlaneConfig {
+    /// Address clients connect to.
+    pub listen: SocketAddr,
+    /// The Python gateway's internal address (loopback), for everything not served here.
+    pub backend: SocketAddr,
+    /// Serve unified approximate-mode completions here (else forward them too).
+    pub hot_path: bool,
+    pub max_body_bytes: usize,
+    pub max_client_concurrency: usize,
+    pub max_in_flight: usize,
+    /// Trust this header as the client's identity (else its IP address).
+    pub client_key_header: Option<String>,
+    pub max_retries: u32,
+    pub connect_timeout: Duration,
+    /// Longest upstream silence (response head, then between two chunks).
+    pub read_timeout: Duration,
+    /// Insert routed prompts into the index for this long (approximate mode); `None`: never.
+    pub approx_ttl: Option<Duration>,
+    /// Runtime threads: 1 runs a current-thread runtime on one dedicated thread.
+    pub threads: usize,
+}
+
+/// Called (off the hot path) when the data plane marks a worker unhealthy, so its owner probes it back.
+pub type UnhealthyHook = Box<dyn Fn(WorkerId, &str) + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlaneError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: io::Error },
+    #[error("cannot start the data plane's runtime: {0}")]
+    Runtime(io::Error),
+    #[error("invalid data plane config: {0}")]
+    Config(String),
+    #[error("worker url {0:?} is not supported by the data plane: expected http://host[:port][/prefix]")]
+    WorkerUrl(String),
+    #[error("worker {0} is already registered with the data plane")]
+    DuplicateWorker(WorkerId),
+}
+
+/// One worker as the data plane sees it.
+#[derive(Clone, Debug)]
+pub struct WorkerRow {
+    pub id: WorkerId,
+    pub url: String,
+    pub healthy: bool,
+    pub in_flight: i64,
+    pub served: u64,
+}
+
+struct Worker {
+    id: WorkerId,
+    url: String,
+    unified: bool,
+    healthy: AtomicBool,
+    in_flight: AtomicI64,
+    served: AtomicU64,
+}
+
+type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+struct Shared {
+    router: Arc<Router>,
+    cfg: PlaneConfig,
+    block_size: usize,
+    seed: u64,
+    workers: RwLock<HashMap<WorkerId, Arc<Worker>>>,
+    split_workers: AtomicUsize,
+    approx: Option<ApproxCache>,
+    metrics: Metrics,
+    clients: Mutex<HashMap<String, usize>>,
+    in_flight: AtomicUsize,
+    next_rid: AtomicU64,
+    client: UpstreamClient,
+    backend_base: String,
+    on_unhealthy: Option<UnhealthyHook>,
+}
+
+/// The data plane: configure and register workers, then `start` serves on a runtime thread of its
+/// own until `stop` (or drop). Every method takes `&self`; none blocks on the serving thread but `stop`.
+pub struct DataPlane {
+    shared: Arc<Shared>,
+    control: Mutex<Control>,
+}
+
+#[derive(Default)]
+struct Control {
+    local_addr: Option<SocketAddr>,
+    stop_tx: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DataPlane {
+    pub fn new(router: Arc<Router>, cfg: PlaneConfig, on_unhealthy: Option<UnhealthyHook>) -> Result<Self, PlaneError> {
+        if cfg.max_body_bytes == 0 || cfg.max_client_concurrency == 0 || cfg.max_in_flight == 0 {
+            return Err(PlaneError::Config("max_body_bytes, max_client_concurrency and max_in_flight must be >= 1".into()));
+        }
+        if cfg.read_timeout.is_zero() || cfg.connect_timeout.is_zero() || cfg.approx_ttl.is_some_and(|t| t.is_zero()) {
+            return Err(PlaneError::Config("timeouts and approx_ttl must be > 0 seconds".into()));
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(cfg.connect_timeout));
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
+        let rc = router.config();
+        let shared = Arc::new(Shared {
+            block_size: rc.block_size,
+            seed: rc.hash_seed,
+            approx: cfg.approx_ttl.map(|ttl| ApproxCache::new(router.index().clone(), ttl)),
+            router: router.clone(),
+            backend_base: format!("http://{}", cfg.backend),
+            cfg,
+            workers: RwLock::new(HashMap::new()),
+            split_workers: AtomicUsize::new(0),
+            metrics: Metrics::default(),
+            clients: Mutex::new(HashMap::new()),
+            in_flight: AtomicUsize::new(0),
+            next_rid: AtomicU64::new(1),
+            client,
+            on_unhealthy,
+        });
+        Ok(DataPlane { shared, control: Mutex::new(Control::default()) })
+    }
+
+    /// Binds the listen address (errors here, synchronously) and serves on a runtime thread.
+    pub fn start(&self) -> Result<SocketAddr, PlaneError> {
+        let mut ctl = self.control.lock();
+        if ctl.thread.is_some() {
+            return Err(PlaneError::Config("the data plane is already running".into()));
+        }
+        let listen = self.shared.cfg.listen;
+        let listener = std::net::TcpListener::bind(listen).map_err(|source| PlaneError::Bind { addr: listen, source })?;
+        listener.set_nonblocking(true).map_err(PlaneError::Runtime)?;
+        let local_addr = listener.local_addr().map_err(PlaneError::Runtime)?;
+        let mut builder = if self.shared.cfg.threads <= 1 {
+            tokio::runtime::Builder::new_current_thread()
+        } else {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(self.shared.cfg.threads);
+            b
+        };
+        let rt = builder.enable_all().thread_name("kvroute-dataplane").build().map_err(PlaneError::Runtime)?;
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let sh = self.shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvroute-dataplane".into())
+            .spawn(move || {
+                rt.block_on(serve(sh, listener, stop_rx));
+                // In-flight requests are dropped here, which releases their load (leases cancel or finish).
+                rt.shutdown_timeout(Duration::from_secs(2));
+            })
+            .map_err(PlaneError::Runtime)?;
+        *ctl = Control { local_addr: Some(local_addr), stop_tx: Some(stop_tx), thread: Some(thread) };
+        Ok(local_addr)
+    }
+
+    /// Stops accepting, drops in-flight requests (their load is released) and joins the runtime
+    /// thread; a no-op when not running.
+    pub fn stop(&self) {
+        let (tx, thread) = {
+            let mut ctl = self.control.lock();
+            (ctl.stop_tx.take(), ctl.thread.take())
+        };
+        if let Some(tx) = tx {
+            let _ = tx.send(());
+        }
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+
+    /// The bound address while running (or after a stop).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.control.lock().local_addr
+    }
+
+    /// Registers a worker the Python gateway registered with the Router (same id). `unified`: role "both".
+    pub fn add_worker(&self, id: WorkerId, url: &str, unified: bool) -> Result<(), PlaneError> {
+        let base = url.trim_end_matches('/');
+        let rest = base.strip_prefix("http://").ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
+        if rest.is_empty() || rest.starts_with('/') || base.parse::<http::Uri>().is_err() {
+            return Err(PlaneError::WorkerUrl(url.to_string()));
+        }
+        let mut ws = self.shared.workers.write();
+        if ws.contains_key(&id) {
+            return Err(PlaneError::DuplicateWorker(id));
+        }
+        let w = Worker {
+            id,
+            url: base.to_string(),
+            unified,
+            healthy: AtomicBool::new(true),
+            in_flight: AtomicI64::new(0),
+            served: AtomicU64::new(0),
+        };
+        if !unified {
+            self.shared.split_workers.fetch_add(1, Ordering::SeqCst);
+        }
+        ws.insert(id, Arc::new(w));
+        Ok(())
+    }
+
+    /// Forgets a worker (requests in flight on it finish normally); false when unknown.
+    pub fn remove_worker(&self, id: WorkerId) -> bool {
+        let removed = self.shared.workers.write().remove(&id);
+        if let Some(w) = &removed {
+            if !w.unified {
+                self.shared.split_workers.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        removed.is_some()
+    }
+
+    /// The owner's view of a worker's health (it marked it down, or its probe brought it back).
+    pub fn set_healthy(&self, id: WorkerId, healthy: bool) -> bool {
+        match self.shared.workers.read().get(&id) {
+            Some(w) => {
+                w.healthy.store(healthy, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn workers(&self) -> Vec<WorkerRow> {
+        let mut rows: Vec<WorkerRow> = self
+            .shared
+            .workers
+            .read()
+            .values()
+            .map(|w| WorkerRow {
+                id: w.id,
+                url: w.url.clone(),
+                healthy: w.healthy.load(Ordering::SeqCst),
+                in_flight: w.in_flight.load(Ordering::SeqCst),
+                served: w.served.load(Ordering::SeqCst),
+            })
+            .collect();
+        rows.sort_by_key(|r| r.id);
+        rows
+    }
+
+    pub fn approx(&self) -> Option<&ApproxCache> {
+        self.shared.approx.as_ref()
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.shared.metrics.snapshot()
+    }
+
+    /// Requests this plane holds admission slots for (hot and forwarded completions).
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Clients with requests in flight.
+    pub fn active_clients(&self) -> usize {
+        self.shared.clients.lock().len()
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.control.lock().thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn serve(sh: Arc<Shared>, listener: std::net::TcpListener, mut stop: oneshot::Receiver<()>) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("kvroute data plane: cannot register the listener: {e}");
+            return;
+        }
+    };
+    if let Some(approx) = &sh.approx {
+        let sh2 = sh.clone();
+        let period = (approx.ttl() / 4).min(Duration::from_secs(5));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if let Some(a) = &sh2.approx {
+                    a.expire(a.now());
+                }
+            }
+        });
+    }
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    tokio::spawn(connection(sh.clone(), stream, peer));
+                }
+                // Out of file descriptors and the like: back off instead of spinning.
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    }
+}
+
+async fn connection(sh: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let ip: Arc<str> = peer.ip().to_string().into();
+    let svc = service_fn(move |req| {
+        let sh = sh.clone();
+        let ip = ip.clone();
+        async move { Ok::<_, Infallible>(handle(sh, ip, req).await) }
+    });
+    let _ = http1::Builder::new().title_case_headers(true).serve_connection(TokioIo::new(stream), svc).await;
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() / 100 {
+        1 => "1xx",
+        2 => "2xx",
+        3 => "3xx",
+        4 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// An error answer decided before any upstream work (limits, unreadable body).
+struct Reject {
+    status: u16,
+    message: String,
+    kind: &'static str,
+    retry_after: Option<u64>,
+}
+
+impl Reject {
+    fn response(self) -> Response<PlaneBody> {
+        error(self.status, &self.message, self.kind, self.retry_after)
+    }
+}
+
+/// The Python gateway's JSON error shape.
+fn error(status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> Response<PlaneBody> {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}});
+    let mut r = Response::new(PlaneBody::full(Bytes::from(body.to_string())));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
+    if let Some(s) = retry_after {
+        r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(s));
+    }
+    r
+}
+
+fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64().is_some_and(|f| f != 0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+    }
+}
+
+async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Response<PlaneBody> {
+    let endpoint = match (req.method() == Method::POST, req.uri().path()) {
+        (true, "/v1/completions") => Some(("/v1/completions", false)),
+        (true, "/v1/chat/completions") => Some(("/v1/chat/completions", true)),
+        _ => None,
+    };
+    let key = client_key(&sh, req.headers(), &ip);
+    let Some((endpoint, chat)) = endpoint else {
+        let (parts, body) = req.into_parts();
+        return match read_body(&sh, &parts.headers, body).await {
+            Ok(raw) => forward(&sh, parts, raw, &key, None).await,
+            Err(reject) => reject.response(),
+        };
+    };
+    let adm = match Admission::take(&sh, key, endpoint) {
+        Ok(a) => a,
+        Err(reject) => {
+            sh.metrics.request(endpoint, "4xx");
+            return reject.response();
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let raw = match read_body(&sh, &parts.headers, body).await {
+        Ok(raw) => raw,
+        Err(reject) => return adm.respond(reject.response()),
+    };
+    let hot = sh.cfg.hot_path && sh.split_workers.load(Ordering::Relaxed) == 0;
+    if hot {
+        if let Ok(value) = serde_json::from_slice::<Value>(&raw) {
+            let t0 = Instant::now();
+            if let Some(prompt) = approx_prompt(&value, chat, sh.block_size, sh.seed) {
+                let stream = truthy(value.get("stream"));
+                drop(value);
+                match serve_hot(&sh, endpoint, &parts.headers, &raw, &prompt, stream, t0, adm).await {
+                    Ok(resp) => return resp,
+                    Err(adm) => {
+                        let key = adm.client.clone();
+                        return forward(&sh, parts, raw, &key, Some(adm.forwarded())).await;
+                    }
+                }
+            }
+        }
+    }
+    // Not the plain case (or not this plane's mode): the Python gateway answers it, its 400s included.
+    let key = adm.client.clone();
+    forward(&sh, parts, raw, &key, Some(adm.forwarded())).await
+}
+
+fn client_key(sh: &Shared, headers: &HeaderMap, ip: &str) -> String {
+    if let Some(h) = &sh.cfg.client_key_header {
+        if let Some(v) = headers.get(h.as_str()) {
+            if !v.is_empty() {
+                return format!("h:{}", String::from_utf8_lossy(v.as_bytes()));
+            }
+        }
+    }
+    format!("ip:{ip}")
+}
+
+async fn read_body(sh: &Shared, headers: &HeaderMap, body: Incoming) -> Result<Bytes, Reject> {
+    let limit = sh.cfg.max_body_bytes;
+    let too_large = || Reject {
+        status: 413,
+        message: format!("request body larger than {limit} bytes"),
+        kind: "invalid_request_error",
+        retry_after: None,
+    };
+    let declared = headers.get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(Reject {
+            status: 400,
+            message: format!("cannot read the request body: {e}"),
+            kind: "invalid_request_error",
+            retry_after: None,
+        }),
+    }
+}
+
+/// One client's slot (per-client and total in-flight limits), held until the response ends.
+struct Admission {
+    sh: Arc<Shared>,
+    client: String,
+    endpoint: &'static str,
+    /// Hot-path requests are counted here; forwarded ones by the Python gateway.
+    counted: bool,
+    /// Status class of the response, counted once its body was fully written.
+    class: &'static str,
+    completed: bool,
+}
+
+impl Admission {
+    fn take(sh: &Arc<Shared>, client: String, endpoint: &'static str) -> Result<Admission, Reject> {
+        let mut clients = sh.clients.lock();
+        let active = clients.get(&client).copied().unwrap_or(0);
+        if active >= sh.cfg.max_client_concurrency {
+            drop(clients);
+            sh.metrics.rejection("client_concurrency");
+            let msg = format!("too many concurrent requests from this client (limit {})", sh.cfg.max_client_concurrency);
+            return Err(Reject { status: 429, message: msg, kind: "rate_limit_exceeded", retry_after: Some(1) });
+        }
+        if sh.in_flight.load(Ordering::SeqCst) >= sh.cfg.max_in_flight {
+            drop(clients);
+            sh.metrics.rejection("gateway_full");
+            let msg = format!("gateway at its in-flight limit ({})", sh.cfg.max_in_flight);
+            return Err(Reject { status: 429, message: msg, kind: "rate_limit_exceeded", retry_after: Some(1) });
+        }
+        *clients.entry(client.clone()).or_insert(0) += 1;
+        sh.in_flight.fetch_add(1, Ordering::SeqCst);
+        drop(clients);
+        Ok(Admission { sh: sh.clone(), client, endpoint, counted: true, class: "5xx", completed: false })
+    }
+
+    fn forwarded(mut self) -> Admission {
+        self.counted = false;
+        self.sh.metrics.forwarded();
+        self
+    }
+
+    /// A response produced here: the slot is held until its body is written.
+    fn respond(self, mut resp: Response<PlaneBody>) -> Response<PlaneBody> {
+        let class = status_class(resp.status());
+        resp.body_mut().hold = Some(Hold { adm: Some(self.with_outcome(class)), ..Hold::default() });
+        resp
+    }
+
+    fn with_outcome(mut self, class: &'static str) -> Admission {
+        self.class = class;
+        self
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        {
+            let mut clients = self.sh.clients.lock();
+            if let Some(n) = clients.get_mut(&self.client) {
+                *n -= 1;
+                if *n == 0 {
+                    clients.remove(&self.client);
+                }
+            }
+        }
+        self.sh.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if self.counted {
+            if self.completed {
+                self.sh.metrics.request(self.endpoint, self.class);
+            } else {
+                self.sh.metrics.disconnect(self.endpoint);
+            }
+        }
+    }
+}
+
+/// One routed request's load on the Router, released exactly once: `finished` once its first byte
+/// (prefill done) was seen, `cancel` otherwise.
+struct Lease {
+    router: Arc<Router>,
+    rid: u64,
+    prefilled: bool,
+}
+
+impl Lease {
+    fn prefill_done(&mut self) {
+        if !self.prefilled {
+            self.prefilled = true;
+            let _ = self.router.prefill_done(self.rid, None);
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // An unknown request here would be a data plane bug; nothing useful to do on the drop path.
+        let _ = if self.prefilled { self.router.finished(self.rid, None) } else { self.router.cancel(self.rid, None) };
+    }
+}
+
+/// Counts one request dispatched to a worker, in flight until dropped.
+struct Dispatch(Arc<Worker>);
+
+impl Dispatch {
+    fn new(w: Arc<Worker>) -> Dispatch {
+        w.in_flight.fetch_add(1, Ordering::SeqCst);
+        w.served.fetch_add(1, Ordering::SeqCst);
+        Dispatch(w)
+    }
+}
+
+impl Drop for Dispatch {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Shared {
+    fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
+        self.workers.read().get(&id).cloned()
+    }
+
+    /// Takes a failed worker out of routing (once) and tells the owner, who probes it back.
+    fn mark_unhealthy(&self, w: &Worker, reason: &str) {
+        self.metrics.upstream_error(&w.url);
+        let known = self.workers.read().contains_key(&w.id);
+        if known && w.healthy.swap(false, Ordering::SeqCst) {
+            let _ = self.router.remove_worker(w.id);
+            if let Some(a) = &self.approx {
+                a.drop_worker(w.id);
+            }
+            if let Some(hook) = &self.on_unhealthy {
+                hook(w.id, reason);
+            }
+        }
+    }
+}
+
+/// Routes and relays one hot-path request, retrying on the next-best worker while no byte reached
+/// the client. `Err` hands the request back for forwarding (the router chose a PD path).
+#[allow(clippy::too_many_arguments)]
+async fn serve_hot(
+    sh: &Arc<Shared>,
+    endpoint: &'static str,
+    headers: &HeaderMap,
+    raw: &Bytes,
+    prompt: &ApproxPrompt,
+    stream: bool,
+    t0: Instant,
+    adm: Admission,
+) -> Result<Response<PlaneBody>, Admission> {
+    let mut last_failure = String::from("no attempt made");
+    let attempts = sh.cfg.max_retries + 1;
+    for attempt in 0..attempts {
+        let rid = REQUEST_ID_BASE | sh.next_rid.fetch_add(1, Ordering::Relaxed);
+        let req = RouteRequest {
+            hashes: Some(&prompt.hashes),
+            num_tokens: Some(prompt.num_tokens),
+            request_id: Some(rid),
+            output_tokens: prompt.output_tokens,
+            ..Default::default()
+        };
+        let d = match sh.router.route(&req) {
+            Ok(d) => d,
+            Err(e @ RouterError::NoWorkers(_)) => {
+                let msg = format!("no healthy worker to route to ({e}); last failure: {last_failure}");
+                return Ok(adm.respond(error(503, &msg, "service_unavailable", Some(1))));
+            }
+            Err(e @ RouterError::InvalidArgument(_)) => {
+                return Ok(adm.respond(error(400, &format!("cannot route this prompt: {e}"), "invalid_request_error", None)));
+            }
+            Err(e) => return Ok(adm.respond(error(500, &format!("routing failed: {e}"), "internal_error", None))),
+        };
+        if attempt == 0 {
+            sh.metrics.routing_time(t0.elapsed().as_secs_f64());
+        }
+        if !d.admitted {
+            sh.metrics.rejection(d.reason.name());
+            let retry_after = d.queue_delay.ceil().max(1.0) as u64;
+            let msg = format!("request rejected: {} (predicted TTFT {:.3} s); retry later", d.reason.name(), d.predicted_ttft);
+            return Ok(adm.respond(error(429, &msg, "rate_limit_exceeded", Some(retry_after))));
+        }
+        let mut lease = Lease { router: sh.router.clone(), rid, prefilled: false };
+        if d.path != RoutePath::Unified {
+            drop(lease); // cancels: the Python gateway routes it again with its PD flow
+            return Err(adm);
+        }
+        sh.metrics.tokens(prompt.num_tokens, prompt.num_tokens - d.uncached_tokens.min(prompt.num_tokens));
+        if let Some(a) = &sh.approx {
+            a.insert(d.worker, &prompt.hashes, a.now());
+        }
+        let Some(w) = sh.worker(d.worker) else {
+            last_failure = format!("worker {} is routed to but unknown to the data plane", d.worker);
+            continue;
+        };
+        let dispatch = Dispatch::new(w.clone());
+        match open(sh, &w, endpoint, headers, raw, stream).await {
+            Ok((status, content_type, first, rest)) => {
+                lease.prefill_done();
+                let sse = content_type.as_bytes().starts_with(b"text/event-stream");
+                let class = status_class(status);
+                let mut body = PlaneBody::full(first);
+                body.upstream = rest;
+                body.read_timeout = Some(sh.cfg.read_timeout);
+                body.on_break = Some(Break { sh: sh.clone(), worker: w.clone(), sse });
+                body.hold = Some(Hold { _lease: Some(lease), _dispatch: Some(dispatch), adm: Some(adm.with_outcome(class)) });
+                let mut resp = Response::new(body);
+                *resp.status_mut() = status;
+                let h = resp.headers_mut();
+                h.insert(CONTENT_TYPE, content_type);
+                if let Ok(v) = HeaderValue::from_str(&w.url) {
+                    h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+                }
+                return Ok(resp);
+            }
+            Err(reason) => {
+                last_failure = format!("{}: {reason}", w.url);
+                drop(dispatch);
+                drop(lease);
+                sh.mark_unhealthy(&w, &reason);
+                if attempt + 1 < attempts {
+                    sh.metrics.retry();
+                }
+            }
+        }
+    }
+    let msg = format!("all {attempts} attempts failed; last: {last_failure}");
+    Ok(adm.respond(error(502, &msg, "upstream_error", None)))
+}
+
+/// Sends one request to a worker; returns status, content type and the first chunk (the whole body
+/// when not streaming) plus the rest of the stream. `Err` (refusal, 5xx, a break before the first
+/// byte) may be retried elsewhere.
+async fn open(
+    sh: &Shared,
+    w: &Worker,
+    path: &str,
+    headers: &HeaderMap,
+    raw: &Bytes,
+    stream: bool,
+) -> Result<(StatusCode, HeaderValue, Bytes, Option<Incoming>), String> {
+    let mut b = Request::post(format!("{}{}", w.url, path))
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .header(ACCEPT, HeaderValue::from_static("*/*"));
+    for name in FORWARD {
+        if let Some(v) = headers.get(name) {
+            b = b.header(name, v.clone());
+        }
+    }
+    let req = b.body(Full::new(raw.clone())).map_err(|e| format!("cannot build the upstream request: {e}"))?;
+    let rt = sh.cfg.read_timeout;
+    let resp = match tokio::time::timeout(rt, sh.client.request(req)).await {
+        Err(_) => return Err(format!("no response head within {rt:?}")),
+        Ok(Err(e)) => return Err(format!("connection failed: {}", chain(&e))),
+        Ok(Ok(r)) => r,
+    };
+    let (parts, mut body) = resp.into_parts();
+    if parts.status.as_u16() >= 500 {
+        let mut detail = BytesMut::new();
+        while detail.len() < 300 {
+            match tokio::time::timeout(rt, body.frame()).await {
+                Ok(Some(Ok(f))) => {
+                    if let Ok(d) = f.into_data() {
+                        detail.extend_from_slice(&d);
+                    }
+                }
+                _ => break,
+            }
+        }
+        detail.truncate(300);
+        return Err(format!("HTTP {}: {}", parts.status.as_u16(), String::from_utf8_lossy(&detail)));
+    }
+    let content_type = parts.headers.get(CONTENT_TYPE).cloned().unwrap_or_else(|| HeaderValue::from_static("application/json"));
+    if !stream {
+        let mut all = BytesMut::new();
+        loop {
+            match tokio::time::timeout(rt, body.frame()).await {
+                Err(_) => return Err(format!("response broke before it was complete: no data for {rt:?}")),
+                Ok(None) => return Ok((parts.status, content_type, all.freeze(), None)),
+                Ok(Some(Err(e))) => return Err(format!("response broke before it was complete: {e}")),
+                Ok(Some(Ok(f))) => {
+                    if let Ok(d) = f.into_data() {
+                        all.extend_from_slice(&d);
+                    }
+                }
+            }
+        }
+    }
+    loop {
+        match tokio::time::timeout(rt, body.frame()).await {
+            Err(_) => return Err(format!("response broke before the first byte: no data for {rt:?}")),
+            Ok(None) => return Ok((parts.status, content_type, Bytes::new(), None)),
+            Ok(Some(Err(e))) => return Err(format!("response broke before the first byte: {e}")),
+            Ok(Some(Ok(f))) => match f.into_data() {
+                Ok(d) if !d.is_empty() => return Ok((parts.status, content_type, d, Some(body))),
+                _ => continue,
+            },
+        }
+    }
+}
+
+/// An error and its causes on one line (hyper's errors say little at the top level).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+/// Passes one request to the Python gateway and its response back, byte for byte and streaming.
+async fn forward(sh: &Arc<Shared>, parts: http::request::Parts, raw: Bytes, client: &str, adm: Option<Admission>) -> Response<PlaneBody> {
+    let target = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let mut b = Request::builder().method(parts.method).uri(format!("{}{}", sh.backend_base, target));
+    for (k, v) in &parts.headers {
+        let name = k.as_str();
+        if !HOP_BY_HOP.contains(&name) && name != CLIENT_HEADER && name != "content-length" {
+            b = b.header(k, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(client) {
+        b = b.header(CLIENT_HEADER, v);
+    }
+    let req = match b.body(Full::new(raw)) {
+        Ok(r) => r,
+        Err(e) => return respond_or(adm, error(400, &format!("cannot forward this request: {e}"), "invalid_request_error", None)),
+    };
+    match sh.client.request(req).await {
+        Err(e) => {
+            let msg = format!("the gateway's Python backend is unavailable: {}", chain(&e));
+            respond_or(adm, error(502, &msg, "upstream_error", None))
+        }
+        Ok(resp) => {
+            let (mut p, body) = resp.into_parts();
+            for h in HOP_BY_HOP {
+                p.headers.remove(h);
+            }
+            let mut out = PlaneBody::full(Bytes::new());
+            out.upstream = Some(body);
+            out.hold = adm.map(|a| Hold { adm: Some(a.with_outcome("forwarded")), ..Hold::default() });
+            Response::from_parts(p, out)
+        }
+    }
+}
+
+fn respond_or(adm: Option<Admission>, resp: Response<PlaneBody>) -> Response<PlaneBody> {
+    match adm {
+        Some(a) => a.respond(resp),
+        None => resp,
+    }
+}
+
+/// What a response body keeps alive until it is fully written (or the client goes away).
+#[derive(Default)]
+struct Hold {
+    // Held for their Drop: the lease releases the Router's load, the dispatch the worker's count.
+    _lease: Option<Lease>,
+    _dispatch: Option<Dispatch>,
+    adm: Option<Admission>,
+}
+
+/// A hot-path stream's upstream, for when it breaks after bytes reached the client.
+struct Break {
+    sh: Arc<Shared>,
+    worker: Arc<Worker>,
+    sse: bool,
+}
+
+/// The response body: a first chunk, then the upstream's frames as they come; ends (and releases
+/// what it holds) at the upstream's end, and releases on drop when the client went away first.
+pub struct PlaneBody {
+    first: Option<Bytes>,
+    upstream: Option<Incoming>,
+    read_timeout: Option<Duration>,
+    timer: Option<Pin<Box<Sleep>>>,
+    on_break: Option<Break>,
+    hold: Option<Hold>,
+}
+
+impl PlaneBody {
+    fn full(data: Bytes) -> PlaneBody {
+        PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, hold: None }
+    }
+
+    /// The body reached its end: a hold's admission counts as completed, its lease as finished.
+    fn finish(&mut self) {
+        if let Some(adm) = self.hold.as_mut().and_then(|h| h.adm.as_mut()) {
+            adm.completed = true;
+        }
+        self.hold = None;
+    }
+
+    /// The upstream broke mid-stream: mark the worker, and for SSE tell the client in-band.
+    fn broke(&mut self, reason: &str) -> Option<Bytes> {
+        self.upstream = None;
+        let b = self.on_break.take()?;
+        b.sh.mark_unhealthy(&b.worker, &format!("stream broke: {reason}"));
+        if !b.sse {
+            return None;
+        }
+        let msg = format!("upstream worker failed mid-stream: {reason}");
+        let ev = serde_json::json!({"error": {"message": msg, "type": "upstream_error", "code": 502}});
+        Some(Bytes::from(format!("data: {ev}\n\n")))
+    }
+}
+
+impl Body for PlaneBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let this = self.get_mut();
+        if let Some(first) = this.first.take() {
+            if this.upstream.is_none() {
+                // The whole body: hyper may not poll again once the announced length is written.
+                this.finish();
+            }
+            if !first.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(first))));
+            }
+        }
+        loop {
+            let Some(up) = this.upstream.as_mut() else {
+                this.finish();
+                return Poll::Ready(None);
+            };
+            match Pin::new(up).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let (Some(t), Some(rt)) = (this.timer.as_mut(), this.read_timeout) {
+                        t.as_mut().reset(tokio::time::Instant::now() + rt);
+                    }
+                    match frame.into_data() {
+                        Ok(d) if !d.is_empty() => return Poll::Ready(Some(Ok(Frame::data(d)))),
+                        _ => continue,
+                    }
+                }
+                Poll::Ready(None) => this.upstream = None,
+                Poll::Ready(Some(Err(e))) => {
+                    if this.on_break.is_none() {
+                        // A forwarded response: abort the client's connection rather than end it cleanly.
+                        this.upstream = None;
+                        return Poll::Ready(Some(Err(io::Error::other(e))));
+                    }
+                    if let Some(chunk) = this.broke(&e.to_string()) {
+                        return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                    }
+                }
+                Poll::Pending => {
+                    let Some(rt) = this.read_timeout else { return Poll::Pending };
+                    let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(rt)));
+                    if timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    if let Some(chunk) = this.broke(&format!("no data for {rt:?}")) {
+                        return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.upstream.is_none() && !matches!(&self.first, Some(f) if !f.is_empty())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.first, &self.upstream) {
+            (first, None) => SizeHint::with_exact(first.as_ref().map_or(0, |f| f.len() as u64)),
+            _ => SizeHint::default(),
+        }
+    }
+}

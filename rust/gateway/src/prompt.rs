@@ -1,0 +1,275 @@
+//! Approximate-mode prompts from an OpenAI request body: the prompt text (or token ids) and its block
+//! hashes, derived exactly as `kvroute.gateway.prompt.ApproxPrompter` does, so both planes share one index.
+
+use serde_json::Value;
+
+/// What routing needs from one request (the Python `Prompt`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApproxPrompt {
+    /// Sequence hashes of the full blocks.
+    pub hashes: Vec<u64>,
+    /// Prompt length in (approximate) tokens, the partial last block included.
+    pub num_tokens: u64,
+    /// `max_completion_tokens` or `max_tokens`, when given.
+    pub output_tokens: Option<u64>,
+}
+
+/// Every `BYTES_PER_TOKEN` bytes of UTF-8 prompt text count as one token (ApproxPrompter's default).
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// The approximate prompt of a parsed request body, or `None` when the body is anything but the plain
+/// case (invalid, or a form whose hashing needs Python's own rules, e.g. float-valued content parts):
+/// the caller then hands the request to the Python gateway, which answers it (or its 400) itself.
+pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> Option<ApproxPrompt> {
+    let body = body.as_object()?;
+    let tokens = if chat {
+        let msgs = body.get("messages")?.as_array()?;
+        if msgs.is_empty() {
+            return None;
+        }
+        let mut text = String::new();
+        for m in msgs {
+            let m = m.as_object()?;
+            let role = m.get("role")?.as_str()?;
+            text.push_str("<|");
+            text.push_str(role);
+            text.push_str("|>");
+            message_text(m.get("content"), &mut text)?;
+            text.push('\n');
+        }
+        text_tokens(text.as_bytes())
+    } else {
+        match completion_prompt(body.get("prompt")?)? {
+            Prompt::Text(s) => text_tokens(s.as_bytes()),
+            Prompt::Ids(ids) => ids,
+        }
+    };
+    if tokens.is_empty() {
+        return None;
+    }
+    let output_tokens = output_tokens(body)?;
+    let hashes = kvroute_core::hash::sequence_hashes(&tokens, block_size, seed, None);
+    Some(ApproxPrompt { hashes, num_tokens: tokens.len() as u64, output_tokens })
+}
+
+enum Prompt<'a> {
+    Text(&'a str),
+    Ids(Vec<u32>),
+}
+
+/// `_completion_prompt`: a string, a list of token ids, or a list whose first item is one of those.
+fn completion_prompt(p: &Value) -> Option<Prompt<'_>> {
+    match p {
+        Value::String(s) => Some(Prompt::Text(s)),
+        Value::Array(items) if !items.is_empty() => {
+            if items.iter().all(is_int) {
+                return token_ids(items).map(Prompt::Ids);
+            }
+            match &items[0] {
+                Value::String(s) => Some(Prompt::Text(s)),
+                Value::Array(first) if !first.is_empty() && first.iter().all(is_int) => token_ids(first).map(Prompt::Ids),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+fn is_int(v: &Value) -> bool {
+    matches!(v, Value::Number(n) if n.is_i64() || n.is_u64())
+}
+
+/// Token ids in 0..2**32 (Python answers 400 outside it).
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items.iter().map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+}
+
+/// `_output_tokens`: the first of max_completion_tokens / max_tokens that is not null; `None` (the
+/// outer option) when it is not a non-negative integer the router accepts.
+fn output_tokens(body: &serde_json::Map<String, Value>) -> Option<Option<u64>> {
+    for key in ["max_completion_tokens", "max_tokens"] {
+        match body.get(key) {
+            None | Some(Value::Null) => continue,
+            Some(Value::Number(n)) => return n.as_u64().filter(|&v| v <= i64::MAX as u64).map(Some),
+            Some(_) => return None,
+        }
+    }
+    Some(None)
+}
+
+/// `_message_text`: string content as is, text parts' text, other parts as `json.dumps(p, sort_keys=True)`.
+fn message_text(content: Option<&Value>, out: &mut String) -> Option<()> {
+    match content {
+        None | Some(Value::Null) => Some(()),
+        Some(Value::String(s)) => {
+            out.push_str(s);
+            Some(())
+        }
+        Some(Value::Array(parts)) => {
+            for p in parts {
+                match p.as_object() {
+                    Some(o) if o.get("type").and_then(Value::as_str) == Some("text") => match o.get("text") {
+                        None => {}
+                        Some(Value::String(t)) => out.push_str(t),
+                        Some(_) => return None, // Python's join raises TypeError: its 400
+                    },
+                    _ => py_json_dumps(p, out)?,
+                }
+            }
+            Some(())
+        }
+        Some(_) => None,
+    }
+}
+
+/// `json.dumps(v, sort_keys=True)` with Python's defaults (", " and ": " separators, ASCII-only
+/// output). Floats are left to Python (its repr is not reproduced here): `None`.
+pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
+    match v {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                out.push_str(&i.to_string());
+            } else if let Some(u) = n.as_u64() {
+                out.push_str(&u.to_string());
+            } else {
+                return None;
+            }
+        }
+        Value::String(s) => py_json_str(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_json_dumps(item, out)?;
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            // UTF-8 byte order is code point order, which is how Python sorts str keys.
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort_unstable();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_json_str(k, out);
+                out.push_str(": ");
+                py_json_dumps(&map[k], out)?;
+            }
+            out.push('}');
+        }
+    }
+    Some(())
+}
+
+fn py_json_str(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            ' '..='~' => out.push(c),
+            _ => {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+    }
+    out.push('"');
+}
+
+/// UTF-8 bytes zero-padded to a multiple of 4, read as little-endian u32 "tokens".
+pub fn text_tokens(raw: &[u8]) -> Vec<u32> {
+    let mut chunks = raw.chunks_exact(BYTES_PER_TOKEN);
+    let mut out: Vec<u32> = Vec::with_capacity(raw.len().div_ceil(BYTES_PER_TOKEN));
+    out.extend(chunks.by_ref().map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut last = [0u8; 4];
+        last[..rest.len()].copy_from_slice(rest);
+        out.push(u32::from_le_bytes(last));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn dumps(v: Value) -> Option<String> {
+        let mut s = String::new();
+        py_json_dumps(&v, &mut s).map(|_| s)
+    }
+
+    #[test]
+    fn json_dumps_matches_python_defaults() {
+        assert_eq!(
+            dumps(json!({"b": [1, -2, true, null], "a": "x\"y\\\n\u{7f}é😀"})).unwrap(),
+            r#"{"a": "x\"y\\\n\u007f\u00e9\ud83d\ude00", "b": [1, -2, true, null]}"#
+        );
+        assert_eq!(dumps(json!({"f": 1.5})), None, "floats are left to Python");
+    }
+
+    #[test]
+    fn text_tokens_pad_and_read_little_endian() {
+        assert_eq!(text_tokens(b"abcde"), vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes([b'e', 0, 0, 0])]);
+        assert!(text_tokens(b"").is_empty());
+    }
+
+    #[test]
+    fn completion_forms_and_fallbacks() {
+        let p = approx_prompt(&json!({"prompt": "hello world", "max_tokens": 3}), false, 2, 1).unwrap();
+        assert_eq!(p.num_tokens, 3);
+        assert_eq!(p.hashes.len(), 1);
+        assert_eq!(p.output_tokens, Some(3));
+        let ids = approx_prompt(&json!({"prompt": [1, 2, 3, 4]}), false, 2, 1).unwrap();
+        assert_eq!(ids.hashes, kvroute_core::hash::sequence_hashes(&[1, 2, 3, 4], 2, 1, None));
+        let batched = approx_prompt(&json!({"prompt": [[1, 2, 3, 4], [5]]}), false, 2, 1).unwrap();
+        assert_eq!(batched, ids);
+        for bad in [
+            json!({"prompt": ""}),
+            json!({"prompt": []}),
+            json!({"prompt": [1, -2]}),
+            json!({"prompt": [1, 4294967296u64]}),
+            json!({"prompt": "a", "max_tokens": -1}),
+            json!({"prompt": "a", "max_tokens": true}),
+            json!({"prompt": "a", "max_tokens": 2.0}),
+            json!({"max_tokens": 3}),
+            json!([1, 2]),
+        ] {
+            assert_eq!(approx_prompt(&bad, false, 2, 1), None, "{bad}");
+        }
+        let first_null = approx_prompt(&json!({"prompt": "a", "max_completion_tokens": null, "max_tokens": 7}), false, 2, 1).unwrap();
+        assert_eq!(first_null.output_tokens, Some(7));
+    }
+
+    #[test]
+    fn chat_text_is_role_and_content_in_order() {
+        let body = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}]}, {"role": "assistant"}]});
+        let text = "<|system|>be brief\n<|user|>hi{\"image_url\": {\"url\": \"u\"}, \"type\": \"image_url\"}\n<|assistant|>\n";
+        let p = approx_prompt(&body, true, 4, 9).unwrap();
+        assert_eq!(p.hashes, kvroute_core::hash::sequence_hashes(&text_tokens(text.as_bytes()), 4, 9, None));
+        assert_eq!(p.num_tokens, text.len().div_ceil(4) as u64);
+        for bad in [
+            json!({"messages": []}),
+            json!({"messages": "hi"}),
+            json!({"messages": [{"content": "x"}]}),
+            json!({"messages": [{"role": "u", "content": 3}]}),
+        ] {
+            assert_eq!(approx_prompt(&bad, true, 4, 9), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! `kvroute._core.DataPlane`: the gateway's Rust front door (kvroute-gateway) around the same Router
+//! object the Python gateway uses, plus `approx_prompt` for checking both planes hash alike.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use kvroute_gateway::{approx_prompt as rust_approx_prompt, DataPlane, PlaneConfig, PlaneError, ROUTING_BUCKETS};
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::convert::{check_block_size, extract_hashes, extract_u64};
+use crate::router::PyRouter;
+
+fn to_py(e: PlaneError) -> PyErr {
+    match e {
+        PlaneError::Bind { .. } | PlaneError::Runtime(_) => PyOSError::new_err(e.to_string()),
+        PlaneError::Config(_) | PlaneError::WorkerUrl(_) | PlaneError::DuplicateWorker(_) => PyValueError::new_err(e.to_string()),
+    }
+}
+
+fn addr(host: &str, port: u16, what: &str) -> PyResult<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| PyValueError::new_err(format!("{what}: cannot resolve {host}:{port}: {e}")))?
+        .next()
+        .ok_or_else(|| PyValueError::new_err(format!("{what}: {host}:{port} resolves to no address")))
+}
+
+fn seconds(v: f64, what: &str) -> PyResult<Duration> {
+    if v.is_finite() && v > 0.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(PyValueError::new_err(format!("{what} must be a finite number of seconds > 0, got {v}")))
+    }
+}
+
+/// The gateway's data plane: an HTTP/1.1 server in Rust that serves unified approximate-mode
+/// completions itself (hash, route on `router`, relay with load accounting and retries) and forwards
+/// every other request, byte for byte, to the Python gateway at `backend_host:backend_port`.
+///
+/// Register the workers (same ids as in `router`) before `start()`; `on_unhealthy(worker_id, reason)`
+/// is called from the data plane's thread when it takes a failing worker out of routing.
+#[pyclass(frozen, module = "kvroute._core", name = "DataPlane")]
+pub struct PyDataPlane {
+    inner: DataPlane,
+}
+
+#[pymethods]
+impl PyDataPlane {
+    #[new]
+    #[pyo3(signature = (
+        router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true,
+        max_body_bytes = 33554432, max_client_concurrency = 256, max_in_flight = 10000, client_key_header = None,
+        max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        router: &Bound<'_, PyRouter>,
+        backend_port: u16,
+        backend_host: &str,
+        host: &str,
+        port: u16,
+        hot_path: bool,
+        max_body_bytes: usize,
+        max_client_concurrency: usize,
+        max_in_flight: usize,
+        client_key_header: Option<String>,
+        max_retries: u32,
+        connect_timeout: f64,
+        read_timeout: f64,
+        approx_ttl: Option<f64>,
+        threads: usize,
+        on_unhealthy: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        if threads == 0 || threads > 64 {
+            return Err(PyValueError::new_err(format!("threads must be in 1..=64, got {threads}")));
+        }
+        let cfg = PlaneConfig {
+            listen: addr(host, port, "host")?,
+            backend: addr(backend_host, backend_port, "backend")?,
+            hot_path,
+            max_body_bytes,
+            max_client_concurrency,
+            max_in_flight,
+            client_key_header: client_key_header.map(|h| h.to_ascii_lowercase()),
+            max_retries,
+            connect_timeout: seconds(connect_timeout, "connect_timeout")?,
+            read_timeout: seconds(read_timeout, "read_timeout")?,
+            approx_ttl: approx_ttl.map(|t| seconds(t, "approx_ttl")).transpose()?,
+            threads,
+        };
+        let hook = on_unhealthy.map(|cb| {
+            Box::new(move |worker: u64, reason: &str| {
+                Python::attach(|py| {
+                    if let Err(e) = cb.call1(py, (worker, reason)) {
+                        e.write_unraisable(py, None);
+                    }
+                })
+            }) as kvroute_gateway::UnhealthyHook
+        });
+        let inner = DataPlane::new(router.get().inner.clone(), cfg, hook).map_err(to_py)?;
+        Ok(PyDataPlane { inner })
+    }
+
+    /// Binds and starts serving; returns the bound (host, port). OSError when the address is taken.
+    fn start<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let a = py.detach(|| self.inner.start()).map_err(to_py)?;
+        PyTuple::new(py, [a.ip().to_string().into_pyobject(py)?.into_any(), a.port().into_pyobject(py)?.into_any()])
+    }
+
+    /// Stops serving and joins the data plane's thread; requests in flight are dropped and their
+    /// load released. Idempotent.
+    fn stop(&self, py: Python<'_>) {
+        py.detach(|| self.inner.stop());
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        self.inner.is_running()
+    }
+
+    /// "http://host:port" while running (after start), else None.
+    #[getter]
+    fn url(&self) -> Option<String> {
+        self.inner.local_addr().map(|a| format!("http://{a}"))
+    }
+
+    /// Registers a worker by the id the Router knows it under; `role` "both" is served on the hot
+    /// path, any other role turns the hot path off (PD requests go to the Python gateway).
+    #[pyo3(signature = (worker, url, *, role = "both"))]
+    fn add_worker(&self, worker: &Bound<'_, PyAny>, url: &str, role: &str) -> PyResult<()> {
+        if !matches!(role, "both" | "prefill" | "decode") {
+            return Err(PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")));
+        }
+        self.inner.add_worker(extract_u64(worker, "worker")?, url, role == "both").map_err(to_py)
+    }
+
+    /// Forgets a worker; returns whether it was registered.
+    fn remove_worker(&self, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.remove_worker(extract_u64(worker, "worker")?))
+    }
+
+    /// Tells the data plane a worker's health (the Python gateway marked it down or probed it back).
+    fn set_healthy(&self, worker: &Bound<'_, PyAny>, healthy: bool) -> PyResult<bool> {
+        Ok(self.inner.set_healthy(extract_u64(worker, "worker")?, healthy))
+    }
+
+    /// Per worker: id, url, healthy, in_flight, requests (dispatched by this plane).
+    fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in self.inner.workers() {
+            let d = PyDict::new(py);
+            d.set_item("id", r.id)?;
+            d.set_item("url", r.url)?;
+            d.set_item("healthy", r.healthy)?;
+            d.set_item("in_flight", r.in_flight)?;
+            d.set_item("requests", r.served)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Completions requests holding an admission slot (hot and forwarded).
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+
+    /// Clients with requests in flight.
+    #[getter]
+    fn active_clients(&self) -> usize {
+        self.inner.active_clients()
+    }
+
+    /// The counters, shaped like the Python gateway's GatewayMetrics (see kvroute.gateway.metrics).
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.inner.metrics();
+        let d = PyDict::new(py);
+        let requests = PyDict::new(py);
+        for ((endpoint, class), n) in &m.requests {
+            requests.set_item((endpoint, class), n)?;
+        }
+        d.set_item("requests", requests)?;
+        d.set_item("rejections", m.rejections.into_pyobject(py)?)?;
+        d.set_item("retries", m.retries)?;
+        d.set_item("upstream_errors", m.upstream_errors.into_pyobject(py)?)?;
+        d.set_item("client_disconnects", m.client_disconnects)?;
+        d.set_item("prompt_tokens", m.prompt_tokens)?;
+        d.set_item("cached_tokens", m.cached_tokens)?;
+        d.set_item("routing_bounds", ROUTING_BUCKETS.to_vec())?;
+        d.set_item("routing_counts", m.routing_counts)?;
+        d.set_item("routing_sum", m.routing_sum)?;
+        d.set_item("routing_count", m.routing_count)?;
+        d.set_item("forwarded", m.forwarded)?;
+        Ok(d)
+    }
+
+    /// Approximate mode's cache: stores `hashes` for `worker` now, under the data plane's TTL (the
+    /// Python gateway's own decisions go through here too, so one place expires them).
+    fn approx_insert(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let w = extract_u64(worker, "worker")?;
+        let hs = extract_hashes(hashes)?;
+        let s = hs.as_slice();
+        let approx = self.approx()?;
+        py.detach(|| approx.insert(w, s, approx.now()));
+        Ok(())
+    }
+
+    /// Forgets a worker's approximate-mode blocks (and clears them from the index).
+    fn approx_drop_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let w = extract_u64(worker, "worker")?;
+        let approx = self.approx()?;
+        py.detach(|| approx.drop_worker(w));
+        Ok(())
+    }
+
+    /// Expires blocks untouched for the TTL as of `now` (seconds on `approx_clock()`; default: now).
+    /// The data plane also does this by itself every min(5 s, ttl / 4). Returns blocks removed.
+    #[pyo3(signature = (now = None))]
+    fn approx_expire(&self, py: Python<'_>, now: Option<f64>) -> PyResult<usize> {
+        let approx = self.approx()?;
+        Ok(py.detach(|| approx.expire(now.unwrap_or_else(|| approx.now()))))
+    }
+
+    /// Seconds on the approximate cache's clock.
+    fn approx_clock(&self) -> PyResult<f64> {
+        Ok(self.approx()?.now())
+    }
+
+    /// (worker, block) entries the approximate cache tracks.
+    fn approx_len(&self) -> PyResult<usize> {
+        Ok(self.approx()?.len())
+    }
+
+    #[getter]
+    fn has_approx(&self) -> bool {
+        self.inner.approx().is_some()
+    }
+
+    fn __repr__(&self) -> String {
+        let url = self.url().unwrap_or_else(|| "not started".into());
+        format!("DataPlane({url}, workers={}, running={})", self.inner.workers().len(), self.inner.is_running())
+    }
+}
+
+impl PyDataPlane {
+    fn approx(&self) -> PyResult<&kvroute_gateway::ApproxCache> {
+        self.inner.approx().ok_or_else(|| PyRuntimeError::new_err("this data plane has no approximate cache (approx_ttl=None)"))
+    }
+}
+
+/// The data plane's approximate prompt of a raw request body: (sequence hashes, num_tokens,
+/// output_tokens), or None when it hands the body to the Python gateway instead.
+#[pyfunction]
+#[pyo3(signature = (body, chat, block_size = 64, *, seed = 1337))]
+fn approx_prompt<'py>(py: Python<'py>, body: &[u8], chat: bool, block_size: i64, seed: u64) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    let bs = check_block_size(block_size)?;
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
+    let Some(p) = py.detach(|| rust_approx_prompt(&value, chat, bs, seed)) else { return Ok(None) };
+    let hashes: Bound<'py, PyArray1<u64>> = p.hashes.into_pyarray(py);
+    Ok(Some(PyTuple::new(
+        py,
+        [hashes.into_any(), p.num_tokens.into_pyobject(py)?.into_any(), p.output_tokens.into_pyobject(py)?.into_any()],
+    )?))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDataPlane>()?;
+    m.add_function(wrap_pyfunction!(approx_prompt, m)?)?;
+    Ok(())
+}
