@@ -3,8 +3,9 @@ at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the
 
     python benches/bench_gateway.py [--rate 200] [--requests 2000] [--workers 8] [--prompt-tokens 4096]
 
-Processes: one mock-engine process (8 engines), the kvroute gateway, sglang-router (when installed), and
-this load generator. Rounds interleave direct / kvroute / sglang so machine noise hits all alike.
+Processes: one mock-engine process (8 engines), ``kvroute serve`` twice (``--data-plane rust``: the Rust
+front door; ``--data-plane python``: the Python gateway alone), sglang-router (when installed), and this
+load generator. Rounds interleave direct / kvroute-rust / kvroute-python / sglang so machine noise hits all alike.
 """
 
 from __future__ import annotations
@@ -122,15 +123,17 @@ async def main(a: argparse.Namespace) -> int:
 
         targets: dict[str, list[str]] = {"direct": urls}
         pids: dict[str, int | None] = {"direct": None}
-        kv_port = free_port()
-        cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
-        for u in urls:
-            cmd += ["--worker", u]
-        kv = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
-        procs.append(kv)
-        await wait_healthy(f"http://127.0.0.1:{kv_port}", kv, "kvroute serve")
-        targets["kvroute"] = [f"http://127.0.0.1:{kv_port}"]
-        pids["kvroute"] = kv.pid
+        for plane in ("rust", "python"):  # kvroute serve with either data plane
+            kv_port = free_port()
+            cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
+            cmd += ["--data-plane", plane]
+            for u in urls:
+                cmd += ["--worker", u]
+            kv = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+            procs.append(kv)
+            await wait_healthy(f"http://127.0.0.1:{kv_port}", kv, f"kvroute serve --data-plane {plane}")
+            targets[f"kvroute-{plane}"] = [f"http://127.0.0.1:{kv_port}"]
+            pids[f"kvroute-{plane}"] = kv.pid
 
         sgr = shutil.which("sglang-router")
         if sgr and not a.no_sglang:
@@ -177,11 +180,17 @@ async def main(a: argparse.Namespace) -> int:
             ovh[name] = ((p50 - d50) * 1e6, (p99 - d99) * 1e6)
             o = "" if name == "direct" else f"{ovh[name][0]:>12.0f}{ovh[name][1]:>12.0f}{cpu[name] / len(xs) * 1e6:>12.0f}"
             print(f"{name:<15}{p50 * 1e3:>9.3f}{p99 * 1e3:>9.3f}{statistics.fmean(xs) * 1e3:>9.3f}{o:>36}{fails[name]:>8}")
-        if "sglang-router" in ovh:
-            k, g = ovh["kvroute"], ovh["sglang-router"]
-            print(f"overhead ratio sglang-router / kvroute: p50 {g[0] / k[0]:.2f}x, p99 {g[1] / k[1]:.2f}x (>1: kvroute adds less)")
-            kc, gc_ = cpu["kvroute"] / len(lat["kvroute"]), cpu["sglang-router"] / len(lat["sglang-router"])
-            print(f"proxy CPU per request ratio sglang-router / kvroute: {gc_ / kc:.2f}x")
+        cpu_req = {k: cpu[k] / max(1, len(lat[k])) for k in lat}
+        peers = [p for p in ("kvroute-python", "sglang-router") if p in ovh]
+        for peer in peers:  # (>1: the Rust data plane adds less)
+            k, g = ovh["kvroute-rust"], ovh[peer]
+            print(
+                f"ratio {peer} / kvroute-rust: overhead p50 {g[0] / k[0]:.2f}x, p99 {g[1] / k[1]:.2f}x, "
+                f"CPU per request {cpu_req[peer] / cpu_req['kvroute-rust']:.2f}x"
+            )
+        k = ovh["kvroute-rust"]
+        verdict = "met" if k[0] <= 300 and k[1] <= 1000 else "MISSED"
+        print(f"target (kvroute-rust overhead p50 <= 300 us, p99 <= 1000 us): {verdict}; load average {os.getloadavg()[0]:.2f}")
         return 0 if not any(fails.values()) else 1
     finally:
         for p in reversed(procs):
@@ -197,7 +206,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per target")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, sglang-router each round)")
+    ap.add_argument(
+        "--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute-rust, kvroute-python, sglang-router each round)"
+    )
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=4096)

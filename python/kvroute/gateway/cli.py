@@ -93,8 +93,17 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--http-server",
         choices=("lean", "aiohttp"),
         default="lean",
-        help="lean: kvroute's own HTTP/1.1 server (less CPU per request); aiohttp: aiohttp's",
+        help="the Python gateway's server when it faces clients: lean, kvroute's own HTTP/1.1 server (less CPU per request), "
+        "or aiohttp's (behind the Rust data plane it is always lean)",
     )
+    s.add_argument(
+        "--data-plane",
+        choices=("auto", "rust", "python"),
+        default="auto",
+        help="rust: a Rust front door serves unified approximate-mode completions and forwards the rest to the Python gateway; "
+        "python: the Python gateway alone; auto (default): rust when it serves the hot path (no --tokenizer, no PD), else python",
+    )
+    s.add_argument("--data-plane-threads", type=int, default=1, help="runtime threads of the Rust data plane (default 1)")
     s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="auto: uvloop when installed")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
@@ -183,6 +192,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         gc.collect()
         gc.freeze()
 
+    if a.data_plane_threads < 1:
+        print("kvroute serve: error: --data-plane-threads must be >= 1", file=sys.stderr)
+        return 2
+    if use_data_plane(a, gw):
+        from functools import partial
+
+        from kvroute.gateway.dataplane import serve_with_data_plane
+
+        return loop.run_until_complete(
+            _serve_lean(gw, a.host, a.port, freeze, partial(serve_with_data_plane, threads=a.data_plane_threads))
+        )
     if a.http_server == "aiohttp":
         from aiohttp import web
 
@@ -200,11 +220,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze))
 
 
-async def _serve_lean(gw: Any, host: str, port: int, freeze: Any) -> int:
+def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
+    """--data-plane auto: the Rust plane only where it serves the hot path itself. In PD or exact
+    (tokenizer) mode every completion would only be forwarded to Python: one more loopback hop
+    for no gain, so auto keeps the Python gateway alone there (--data-plane rust still fronts it)."""
+    if a.data_plane == "auto":
+        from kvroute.gateway.dataplane import hot_path_applies
+
+        return a.http_server == "lean" and hot_path_applies(gw)
+    return bool(a.data_plane == "rust")
+
+
+async def _serve_lean(gw: Any, host: str, port: int, freeze: Any, serve: Any = None) -> int:
     import asyncio
     import signal
 
     from kvroute.gateway.server import serve_lean
+
+    serve = serve or serve_lean
 
     def ready(url: str) -> None:
         freeze()
@@ -214,7 +247,7 @@ async def _serve_lean(gw: Any, host: str, port: int, freeze: Any) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = asyncio.ensure_future(serve_lean(gw, host, port, ready))
+    server = asyncio.ensure_future(serve(gw, host, port, ready))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
