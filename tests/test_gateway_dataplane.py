@@ -1,0 +1,182 @@
+"""The Rust data plane in front of the Python gateway: hashes both planes agree on, one shared
+approximate cache, what is forwarded, start/stop and bad configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+import kvroute
+import numpy as np
+from gateway_harness import Cluster, assert_no_leak, poll, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvroute._core import DataPlane, approx_prompt
+from kvroute.gateway.prompt import ApproxPrompter, BadRequest
+
+BS, SEED = 4, 99
+
+text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+ints = st.integers(min_value=-3, max_value=2**32 + 2)
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), text)
+json_value = st.recursive(json_leaf, lambda v: st.lists(v, max_size=3) | st.dictionaries(text, v, max_size=3), max_leaves=6)
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
+part = st.one_of(
+    text_part,
+    text_part,
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.none() | st.integers(0, 3)}),
+    st.dictionaries(text, json_value, max_size=3),
+    text,
+)
+content = st.one_of(st.none(), text, text, st.lists(part, max_size=3), st.lists(text_part, max_size=2), st.integers(0, 3))
+valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": content})
+message = st.one_of(valid_message, valid_message, valid_message, st.fixed_dictionaries({"role": st.integers(0, 2)}))
+limits = st.dictionaries(st.sampled_from(["max_tokens", "max_completion_tokens"]), st.none() | st.booleans() | ints, max_size=2)
+prompt = st.one_of(
+    text, st.lists(ints, max_size=12), st.lists(text, max_size=2), st.lists(st.lists(ints, max_size=6), max_size=2), st.none()
+)
+
+
+def python_prompt(body: dict[str, Any], chat: bool) -> tuple[list[int], int, int | None] | None:
+    try:
+        p = ApproxPrompter(BS, SEED).prompt(body, chat)
+    except (BadRequest, ValueError, TypeError, OverflowError):
+        return None
+    if p.output_tokens is not None and p.output_tokens > 2**63 - 1:
+        return None  # the Router refuses it (Python answers 400 at route time); the data plane forwards it
+    return p.hashes.tolist(), p.num_tokens, p.output_tokens
+
+
+def rust_prompt(body: Any, chat: bool) -> tuple[list[int], int, int | None] | None:
+    r = approx_prompt(json.dumps(body).encode(), chat, BS, seed=SEED)
+    return None if r is None else (r[0].tolist(), r[1], r[2])
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(prompt, limits)
+def test_completion_prompts_hash_alike_in_both_planes(p: Any, lim: dict[str, Any]) -> None:
+    body = {"prompt": p, **lim} if p is not None else dict(lim)
+    assert rust_prompt(body, False) == python_prompt(body, False)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(message, max_size=4), limits)
+def test_chat_prompts_hash_alike_in_both_planes(msgs: list[dict[str, Any]], lim: dict[str, Any]) -> None:
+    body = {"messages": msgs, **lim}
+    assert rust_prompt(body, True) == python_prompt(body, True)
+
+
+def test_prompt_hashing_edge_cases() -> None:
+    astral = {"messages": [{"role": "user", "content": [{"type": "image_url", "url": '\U0001f600\u00e9\x7f\n"\\'}]}]}
+    assert rust_prompt(astral, True) == python_prompt(astral, True) is not None
+    # Floats in non-text parts: Python's repr is not reproduced, so the data plane hands them over.
+    assert rust_prompt({"messages": [{"role": "user", "content": [{"detail": 0.5}]}]}, True) is None
+    assert approx_prompt(b"{not json", False) is None and approx_prompt(b"[1]", False) is None
+    with pytest.raises(ValueError, match="block_size"):
+        approx_prompt(b'{"prompt": "x"}', False, 0)
+
+
+def test_hot_path_and_forwarded_requests_share_one_ttl_cache() -> None:
+    async def scenario() -> None:
+        async with Cluster(2, server="rust", approx_ttl=30.0) as c:
+            dp = c.gw.data_plane
+            assert dp is not None and dp.running
+            status, headers, _ = await c.post("/v1/completions", {"prompt": "shared system prompt " * 20, "max_tokens": 2})
+            assert status == 200
+            m = dp.metrics()
+            assert m["forwarded"] == 0 and m["requests"][("/v1/completions", "2xx")] == 1 and m["routing_count"] == 1
+            served_by = c.worker_id(c.mock_by_url(headers["X-Kvroute-Worker"]))
+            blocks = dp.approx_len()
+            assert blocks > 0 and c.router.index.num_blocks(served_by) == blocks
+            # A float in a content part: the Python gateway routes this one, into the same cache.
+            chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q " * 200}, {"type": "x", "w": 0.5}]}]}
+            status, _, _ = await c.post("/v1/chat/completions", chat)
+            assert status == 200
+            assert dp.metrics()["forwarded"] == 1 and dp.approx_len() > blocks
+            assert len(c.gw.approx) == dp.approx_len()  # type: ignore[arg-type]
+            # One owner of expiry: the data plane's cache (the Python gateway runs no expiry loop).
+            assert dp.approx_expire(dp.approx_clock() + 1.0) == 0
+            removed = dp.approx_expire(dp.approx_clock() + 31.0)
+            assert removed > blocks and dp.approx_len() == 0
+            assert all(c.router.index.num_blocks(w) == 0 for w in c.router.workers())
+            text = await (await c.client.get(c.url + "/metrics")).text()
+            assert 'kvroute_requests_total{endpoint="/v1/completions",status="2xx"} 1' in text
+            assert 'kvroute_requests_total{endpoint="/v1/chat/completions",status="2xx"} 1' in text
+            assert "kvroute_routing_seconds_count 2" in text
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_pd_worker_added_at_runtime_turns_the_hot_path_off() -> None:
+    async def scenario() -> None:
+        token = "an-admin-token"
+        async with Cluster(1, server="rust", admin_token=token) as c:
+            dp = c.gw.data_plane
+            assert dp is not None
+            auth = {"Authorization": f"Bearer {token}"}
+            async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "https://tls-only:1"}) as r:
+                assert r.status == 400 and "not supported by the data plane" in (await r.json())["error"]["message"]
+            assert len(c.gw.workers) == 1 and len(c.router.workers()) == 1
+            async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "http://127.0.0.1:9", "role": "decode"}) as r:
+                assert r.status == 201
+            assert len(dp.workers()) == 2
+            await c.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
+            assert dp.metrics()["forwarded"] == 1  # PD routing is the Python gateway's
+
+    run(scenario())
+
+
+def test_stop_releases_requests_in_flight_and_start_reports_bind_errors() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, server="rust", mock={"cost_per_token": 1.0}) as c:
+            dp = c.gw.data_plane
+            assert dp is not None
+            task = asyncio.ensure_future(c.post("/v1/completions", {"prompt": "slow " * 40}))
+            await poll(lambda: c.mocks[0].in_flight == 1, what="a request in flight on the engine")
+            assert c.router.num_in_flight == 1
+            await asyncio.get_running_loop().run_in_executor(None, dp.stop)
+            assert not dp.running and c.router.num_in_flight == 0 and dp.in_flight == 0
+            with pytest.raises(Exception):  # noqa: B017 - the client sees its connection dropped
+                await task
+            await poll(lambda: c.mocks[0].cancelled == 1, what="the engine to see the request cancelled")
+            dp.stop()  # idempotent
+
+    run(scenario())
+    router = kvroute.Router()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        taken = s.getsockname()[1]
+        dp = DataPlane(router, backend_port=1, port=taken)
+        with pytest.raises(OSError, match="cannot listen"):
+            dp.start()
+        assert not dp.running and dp.url is None
+
+
+def test_bad_data_plane_configuration_is_refused() -> None:
+    router = kvroute.Router()
+    with pytest.raises(ValueError, match="threads"):
+        DataPlane(router, backend_port=1, threads=0)
+    with pytest.raises(ValueError, match="read_timeout"):
+        DataPlane(router, backend_port=1, read_timeout=0.0)
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        DataPlane(router, backend_port=1, max_body_bytes=0)
+    dp = DataPlane(router, backend_port=1)
+    with pytest.raises(ValueError, match="expected http"):
+        dp.add_worker(0, "https://h:1")
+    with pytest.raises(ValueError, match="role"):
+        dp.add_worker(0, "http://h:1", role="encode")
+    dp.add_worker(0, "http://h:1")
+    with pytest.raises(ValueError, match="already registered"):
+        dp.add_worker(0, "http://h:2")
+    assert dp.remove_worker(0) and not dp.remove_worker(0)
+    with pytest.raises(RuntimeError, match="approximate cache"):
+        DataPlane(router, backend_port=1, approx_ttl=None).approx_len()
+    np.testing.assert_array_equal(approx_prompt(b'{"prompt": [1, 2, 3, 4]}', False, 2)[0], kvroute.block_hashes([1, 2, 3, 4], 2))  # type: ignore[index]
