@@ -1,10 +1,11 @@
 //! The router's own decisions as cache state (approximate mode): each routed prompt's blocks are stored
 //! for its worker and removed `ttl` after their last use. The one TTL owner when the data plane runs.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hashbrown::HashMap;
 use kvroute_core::{KvIndex, Tier, WorkerId, ANY_TIER};
 use parking_lot::Mutex;
 
@@ -18,6 +19,7 @@ pub struct ApproxCache {
 
 #[derive(Default)]
 struct Inner {
+    // foldhash (hashbrown's default): this map takes a prompt's every block per request.
     touched: HashMap<(WorkerId, u64), f64>,
     log: VecDeque<(f64, WorkerId, Arc<[u64]>)>,
     store_errors: u64,
