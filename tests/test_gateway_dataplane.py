@@ -180,3 +180,23 @@ def test_bad_data_plane_configuration_is_refused() -> None:
     with pytest.raises(RuntimeError, match="approximate cache"):
         DataPlane(router, backend_port=1, approx_ttl=None).approx_len()
     np.testing.assert_array_equal(approx_prompt(b'{"prompt": [1, 2, 3, 4]}', False, 2)[0], kvroute.block_hashes([1, 2, 3, 4], 2))  # type: ignore[index]
+
+
+def test_kvroute_serve_chooses_its_data_plane() -> None:
+    import argparse
+
+    from kvroute.gateway.cli import add_serve_parser, build_gateway, use_data_plane
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+
+    def rust(*argv: str) -> bool:
+        a = parser.parse_args(["serve", *argv])
+        return use_data_plane(a, build_gateway(a))
+
+    assert rust("--worker", "http://h:1")  # unified, approximate: the Rust plane serves the hot path
+    assert not rust("--worker", "https://h:1")  # it speaks plain http only
+    assert not rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: it would only forward
+    assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--data-plane", "rust")
+    assert not rust("--worker", "http://h:1", "--data-plane", "python")
+    assert not rust("--worker", "http://h:1", "--http-server", "aiohttp")

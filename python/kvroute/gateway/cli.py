@@ -225,9 +225,9 @@ def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
     (tokenizer) mode every completion would only be forwarded to Python: one more loopback hop
     for no gain, so auto keeps the Python gateway alone there (--data-plane rust still fronts it)."""
     if a.data_plane == "auto":
-        from kvroute.gateway.dataplane import hot_path_applies
+        from kvroute.gateway.dataplane import can_front, hot_path_applies
 
-        return a.http_server == "lean" and hot_path_applies(gw)
+        return a.http_server == "lean" and hot_path_applies(gw) and can_front(gw)
     return bool(a.data_plane == "rust")
 
 

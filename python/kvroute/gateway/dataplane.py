@@ -17,7 +17,7 @@ from kvroute._core import DataPlane
 from kvroute.gateway.app import Gateway
 from kvroute.gateway.prompt import ApproxPrompter
 
-__all__ = ["CLIENT_HEADER", "PlaneApprox", "hot_path_applies", "make_data_plane", "serve_with_data_plane"]
+__all__ = ["CLIENT_HEADER", "PlaneApprox", "can_front", "hot_path_applies", "make_data_plane", "serve_with_data_plane"]
 
 # The data plane tells the Python gateway who the client is in this header (it replaces any a client sent).
 CLIENT_HEADER = "X-Kvroute-Client"
@@ -27,6 +27,11 @@ def hot_path_applies(gw: Gateway) -> bool:
     """Whether the Rust plane can serve completions itself: approximate prompts (no tokenizer) and
     unified workers only. Otherwise it only forwards (PD flows and tokenization stay in Python)."""
     return isinstance(gw.prompter, ApproxPrompter) and all(w.cfg.role == "both" for w in gw.workers.values())
+
+
+def can_front(gw: Gateway) -> bool:
+    """Whether the Rust plane can reach every worker (it speaks plain http:// only)."""
+    return all(w.url.startswith("http://") for w in gw.workers.values())
 
 
 class PlaneApprox:
