@@ -1,0 +1,162 @@
+//! The data plane end to end on loopback, without Python: a refusing worker is retried on the next
+//! one, the answer is relayed byte for byte, the load is released, forwarding reaches the backend.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_core::router::WorkerSpec;
+use kvroute_core::{Router, RouterConfig};
+use kvroute_gateway::{DataPlane, PlaneConfig};
+
+/// A one-answer HTTP/1.1 server on a thread: replies `reply` to every request, keep-alive; records
+/// each request's head and body.
+/// Each request's head and body, as a fake server received them.
+type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+fn fake_server(reply: &'static str) -> (SocketAddr, Seen) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(conn) = conn else { return };
+            let seen = seen2.clone();
+            std::thread::spawn(move || {
+                conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut w = conn.try_clone().unwrap();
+                let mut r = BufReader::new(conn);
+                loop {
+                    let mut head = String::new();
+                    let mut len = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if r.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap();
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    seen.lock().unwrap().push((head, body));
+                    if w.write_all(reply.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+fn request(addr: SocketAddr, head: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "{head}\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The body of a chunked response.
+fn dechunk(resp: &str) -> String {
+    let mut rest = &resp[resp.find("\r\n\r\n").unwrap() + 4..];
+    let mut out = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").unwrap();
+        let n = usize::from_str_radix(size, 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.push_str(&after[..n]);
+        rest = &after[n + 2..];
+    }
+}
+
+fn config(backend: SocketAddr) -> PlaneConfig {
+    PlaneConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        backend,
+        hot_path: true,
+        max_body_bytes: 1 << 20,
+        max_client_concurrency: 8,
+        max_in_flight: 64,
+        client_key_header: None,
+        max_retries: 2,
+        connect_timeout: Duration::from_secs(2),
+        read_timeout: Duration::from_secs(5),
+        approx_ttl: Some(Duration::from_secs(60)),
+        threads: 1,
+    }
+}
+
+const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 23\r\n\r\ndata: one\n\ndata: [DONE]";
+
+#[test]
+fn refused_worker_is_retried_marked_and_load_released() {
+    let (good, seen) = fake_server(SSE);
+    let (backend, forwarded) = fake_server("HTTP/1.1 204 No Content\r\nX-From: python\r\n\r\n");
+    let refused = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed again: refuses
+    let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
+    router.add_worker(0, WorkerSpec::default()).unwrap();
+    router.add_worker(1, WorkerSpec::default()).unwrap();
+    let marked = Arc::new(AtomicUsize::new(0));
+    let m2 = marked.clone();
+    let hook = Box::new(move |w: u64, reason: &str| {
+        assert!(reason.contains("connection failed"), "{reason}");
+        m2.fetch_add(1 + w as usize * 10, Ordering::SeqCst);
+    });
+    let dp = DataPlane::new(router.clone(), config(backend), Some(hook)).unwrap();
+    dp.add_worker(0, &format!("http://{refused}"), true).unwrap();
+    dp.add_worker(1, &format!("http://{good}/"), true).unwrap();
+    let addr = dp.start().unwrap();
+    // The prompt is "cached" on the refusing worker, so it is the first choice.
+    let body = format!(r#"{{"prompt": "{}", "stream": true, "max_tokens": 2}}"#, "abcd".repeat(300));
+    let hashes = kvroute_gateway::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+    router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
+
+    let resp = request(addr, "POST /v1/completions HTTP/1.1\r\nAuthorization: Bearer k", &body);
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(resp.contains(&format!("X-Kvroute-Worker: http://{good}\r\n")), "{resp}");
+    assert!(resp.contains("Transfer-Encoding: chunked\r\n"), "streamed as it comes: {resp}");
+    assert_eq!(dechunk(&resp), "data: one\n\ndata: [DONE]");
+    let (head, sent) = seen.lock().unwrap()[0].clone();
+    assert_eq!(sent, body.as_bytes(), "the request body is passed on unchanged");
+    assert!(head.to_ascii_lowercase().contains("authorization: bearer k"), "{head}");
+    assert_eq!(marked.load(Ordering::SeqCst), 1, "worker 0 reported once");
+    assert_eq!(router.workers(), vec![1], "the refusing worker is out of routing");
+    assert_eq!(router.num_in_flight(), 0);
+    let m = dp.metrics();
+    assert_eq!((m.retries, m.requests[&("/v1/completions".to_string(), "2xx".to_string())]), (1, 1));
+    assert_eq!(dp.in_flight(), 0);
+    assert!(!dp.approx().unwrap().is_empty());
+
+    // Not the hot path: forwarded byte for byte to the backend, with the client's identity.
+    let resp = request(addr, "GET /health HTTP/1.1", "");
+    assert!(resp.starts_with("HTTP/1.1 204") && resp.contains("X-From: python"), "{resp}");
+    let bad = request(addr, "POST /v1/completions HTTP/1.1", "{not json");
+    assert!(bad.starts_with("HTTP/1.1 204"), "invalid bodies are the Python gateway's to answer: {bad}");
+    let heads: Vec<String> = forwarded.lock().unwrap().iter().map(|(h, _)| h.to_ascii_lowercase()).collect();
+    assert!(heads[0].starts_with("get /health") && heads[0].contains("x-kvroute-client: ip:127.0.0.1"), "{heads:?}");
+    assert_eq!(forwarded.lock().unwrap()[1].1, b"{not json");
+
+    // A declared length over the limit is answered before any of the body is read.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", 2 << 20).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 413") && resp.contains("request body larger than 1048576 bytes"), "{resp}");
+    dp.stop();
+    assert!(!dp.is_running());
+    dp.stop();
+}
