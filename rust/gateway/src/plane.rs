@@ -843,9 +843,14 @@ async fn forward(sh: &Arc<Shared>, parts: http::request::Parts, raw: Bytes, clie
     }
 }
 
+/// An answer of the data plane's own to a request meant for the Python gateway (which never saw
+/// it, so this plane counts it).
 fn respond_or(adm: Option<Admission>, resp: Response<PlaneBody>) -> Response<PlaneBody> {
     match adm {
-        Some(a) => a.respond(resp),
+        Some(mut a) => {
+            a.counted = true;
+            a.respond(resp)
+        }
         None => resp,
     }
 }
