@@ -99,7 +99,9 @@ def make_router(
         **options,
     )
     for w in range(cluster.instances):
-        router.add_worker(w, role="prefill" if pd else "both", prefill_tokens_per_s=float(cluster.speed), prefix_cache_blocks=cluster.cache_blocks)
+        router.add_worker(
+            w, role="prefill" if pd else "both", prefill_tokens_per_s=float(cluster.speed), prefix_cache_blocks=cluster.cache_blocks
+        )
     for w in range(cluster.instances, cluster.instances + cluster.decode_instances):
         router.add_worker(
             w, role="decode", kv_capacity_blocks=cluster.decode_kv_blocks, decode_tokens_per_s=float(cluster.decode_tokens_per_s)
