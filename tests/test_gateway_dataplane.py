@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 import aiohttp
 import kvroute
 import numpy as np
-from gateway_harness import Cluster, assert_no_leak, poll, run
+from gateway_harness import Cluster, MockWorker, assert_no_leak, poll, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane, approx_prompt
@@ -115,7 +115,7 @@ def test_hot_path_and_forwarded_requests_share_one_ttl_cache() -> None:
     run(scenario())
 
 
-def test_pd_worker_added_at_runtime_turns_the_hot_path_off() -> None:
+def test_pd_workers_added_at_runtime_are_served_on_the_hot_path() -> None:
     async def scenario() -> None:
         token = "an-admin-token"
         async with Cluster(1, server="rust", admin_token=token) as c:
@@ -125,11 +125,27 @@ def test_pd_worker_added_at_runtime_turns_the_hot_path_off() -> None:
             async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "https://tls-only:1"}) as r:
                 assert r.status == 400 and "not supported by the data plane" in (await r.json())["error"]["message"]
             assert len(c.gw.workers) == 1 and len(c.router.workers()) == 1
-            async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "http://127.0.0.1:9", "role": "decode"}) as r:
-                assert r.status == 201
-            assert len(dp.workers()) == 2
-            await c.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})
-            assert dp.metrics()["forwarded"] == 1  # PD routing is the Python gateway's
+            prefill, decode = MockWorker("p", role="prefill"), MockWorker("d", role="decode")
+            for m in (prefill, decode):
+                await m.start()
+                m.keep_bodies = True
+            try:
+                for m in (prefill, decode):
+                    async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": m.url, "role": m.role}) as r:
+                        assert r.status == 201
+                async with c.client.delete(c.url + f"/admin/workers/{c.worker_id(c.mocks[0])}", headers=auth) as r:
+                    assert r.status == 200
+                assert [w["role"] for w in dp.workers()] == ["prefill", "decode"]
+                status, headers, data = await c.post("/v1/completions", {"prompt": "hi there " * 20, "max_tokens": 2})
+                assert status == 200 and headers["X-Kvroute-Worker"] == decode.url, data
+                assert prefill.bodies[-1]["kv_transfer_params"]["do_remote_decode"] is True
+                assert decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "p"
+                m = dp.metrics()
+                assert m["forwarded"] == 0 and m["requests"][("/v1/completions", "2xx")] == 1  # the PD pair, on the Rust plane
+                assert_no_leak(c)
+            finally:
+                for m in (prefill, decode):
+                    await m.stop()
 
     run(scenario())
 
@@ -197,7 +213,9 @@ def test_kvroute_serve_chooses_its_data_plane() -> None:
 
     assert rust("--worker", "http://h:1")  # unified, approximate: the Rust plane serves the hot path
     assert not rust("--worker", "https://h:1")  # it speaks plain http only
-    assert not rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: it would only forward
+    assert rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: served on the Rust plane too
+    assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--pd-convention", "sglang")
+    assert not rust("--prefill", "http://p:1", "--decode", "https://d:1")
     assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--data-plane", "rust")
     assert not rust("--worker", "http://h:1", "--data-plane", "python")
     assert not rust("--worker", "http://h:1", "--http-server", "aiohttp")

@@ -311,8 +311,9 @@ class PrefillEngines:
     def clear(self, engine: int, now: float) -> int: ...
 
 class DataPlane:
-    """The gateway's Rust front door: serves unified approximate-mode completions on ``router`` and
-    forwards every other request to the Python gateway at ``backend_host:backend_port``."""
+    """The gateway's Rust front door: serves approximate-mode completions on ``router`` (unified
+    workers and PD pairs in ``pd_convention``) and forwards every other request to the Python gateway
+    at ``backend_host:backend_port``."""
 
     def __init__(
         self,
@@ -323,6 +324,7 @@ class DataPlane:
         host: str = "127.0.0.1",
         port: int = 0,
         hot_path: bool = True,
+        pd_convention: Literal["vllm", "sglang"] | str = "vllm",
         max_body_bytes: int = 33554432,
         max_client_concurrency: int = 256,
         max_in_flight: int = 10000,
@@ -340,7 +342,9 @@ class DataPlane:
     def running(self) -> bool: ...
     @property
     def url(self) -> str | None: ...
-    def add_worker(self, worker: int, url: str, *, role: Literal["both", "prefill", "decode"] | str = "both") -> None: ...
+    def add_worker(
+        self, worker: int, url: str, *, role: Literal["both", "prefill", "decode"] | str = "both", bootstrap_port: int | None = None
+    ) -> None: ...
     def remove_worker(self, worker: int) -> bool: ...
     def set_healthy(self, worker: int, healthy: bool) -> bool: ...
     def workers(self) -> list[dict[str, Any]]: ...

@@ -242,7 +242,7 @@ class Gateway:
         self._register(w)
         if self.data_plane is not None:
             try:
-                self.data_plane.add_worker(w.id, w.url, role=wc.role)
+                self.data_plane.add_worker(w.id, w.url, role=wc.role, bootstrap_port=wc.bootstrap_port)
             except ValueError:
                 self.router.remove_worker(w.id)
                 raise
@@ -304,7 +304,7 @@ class Gateway:
         if self.data_plane is not None:
             raise ValueError("a data plane is already attached to this gateway")
         for w in self.workers.values():
-            plane.add_worker(w.id, w.url, role=w.cfg.role)
+            plane.add_worker(w.id, w.url, role=w.cfg.role, bootstrap_port=w.cfg.bootstrap_port)
         self.data_plane = plane
         if self.approx is not None and plane.has_approx:
             self.approx = cast(ApproxCache, PlaneApprox(plane))

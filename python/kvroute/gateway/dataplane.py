@@ -1,5 +1,5 @@
 """Runs the Python gateway behind kvroute's Rust data plane (``kvroute._core.DataPlane``): the Rust
-front door serves unified approximate-mode completions itself and forwards everything else here.
+front door serves approximate-mode completions itself (unified and PD) and forwards everything else here.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ CLIENT_HEADER = "X-Kvroute-Client"
 
 
 def hot_path_applies(gw: Gateway) -> bool:
-    """Whether the Rust plane can serve completions itself: approximate prompts (no tokenizer) and
-    unified workers only. Otherwise it only forwards (PD flows and tokenization stay in Python)."""
-    return isinstance(gw.prompter, ApproxPrompter) and all(w.cfg.role == "both" for w in gw.workers.values())
+    """Whether the Rust plane can serve completions itself: approximate prompts (no tokenizer), with
+    unified workers or PD pairs in either convention. Otherwise it only forwards (tokenization stays
+    in Python)."""
+    return isinstance(gw.prompter, ApproxPrompter)
 
 
 def can_front(gw: Gateway) -> bool:
@@ -74,6 +75,7 @@ def make_data_plane(gw: Gateway, backend_port: int, host: str, port: int, *, hot
         host=host,
         port=port,
         hot_path=hot_path_applies(gw) if hot_path is None else hot_path,
+        pd_convention=cfg.pd_convention,
         max_body_bytes=cfg.max_body_bytes,
         max_client_concurrency=cfg.max_client_concurrency,
         max_in_flight=cfg.max_in_flight,

@@ -14,5 +14,6 @@ pub mod prompt;
 
 pub use approx::ApproxCache;
 pub use metrics::{MetricsSnapshot, ROUTING_BUCKETS};
+pub use plane::pd::{bootstrap_room, JsonFields, PdConvention};
 pub use plane::{DataPlane, PlaneConfig, PlaneError, UnhealthyHook, WorkerRow, CLIENT_HEADER, REQUEST_ID_BASE};
 pub use prompt::{approx_prompt, ApproxPrompt};

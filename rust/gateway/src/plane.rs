@@ -24,6 +24,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvroute_core::router::decision::Path as RoutePath;
+use kvroute_core::router::Role;
 use kvroute_core::{RouteRequest, Router, RouterError, WorkerId};
 use parking_lot::{Mutex, RwLock};
 use serde_json::Value;
@@ -34,6 +35,10 @@ use tokio::time::Sleep;
 use crate::approx::ApproxCache;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::prompt::{approx_prompt, ApproxPrompt};
+
+#[path = "pd.rs"]
+pub mod pd;
+use pd::{PdConvention, PdHold};
 
 /// The header carrying the client's identity to the Python gateway (set here, never trusted from clients).
 pub const CLIENT_HEADER: &str = "x-kvroute-client";
@@ -54,8 +59,10 @@ pub struct PlaneConfig {
     pub listen: SocketAddr,
     /// The Python gateway's internal address (loopback), for everything not served here.
     pub backend: SocketAddr,
-    /// Serve unified approximate-mode completions here (else forward them too).
+    /// Serve approximate-mode completions here, unified and PD (else forward them too).
     pub hot_path: bool,
+    /// How prefill and decode workers are paired (the Python gateway's `pd_convention`).
+    pub pd_convention: PdConvention,
     pub max_body_bytes: usize,
     pub max_client_concurrency: usize,
     pub max_in_flight: usize,
@@ -93,6 +100,7 @@ pub enum PlaneError {
 pub struct WorkerRow {
     pub id: WorkerId,
     pub url: String,
+    pub role: Role,
     pub healthy: bool,
     pub in_flight: i64,
     pub served: u64,
@@ -101,7 +109,11 @@ pub struct WorkerRow {
 struct Worker {
     id: WorkerId,
     url: String,
-    unified: bool,
+    role: Role,
+    /// The URL's host, SGLang's `bootstrap_host` when this worker prefills.
+    host: String,
+    /// SGLang PD prefill servers' `--disaggregation-bootstrap-port`.
+    bootstrap_port: Option<u16>,
     healthy: AtomicBool,
     in_flight: AtomicI64,
     served: AtomicU64,
@@ -115,7 +127,6 @@ struct Shared {
     block_size: usize,
     seed: u64,
     workers: RwLock<HashMap<WorkerId, Arc<Worker>>>,
-    split_workers: AtomicUsize,
     approx: Option<ApproxCache>,
     metrics: Metrics,
     clients: Mutex<HashMap<String, usize>>,
@@ -161,7 +172,6 @@ impl DataPlane {
             backend_base: format!("http://{}", cfg.backend),
             cfg,
             workers: RwLock::new(HashMap::new()),
-            split_workers: AtomicUsize::new(0),
             metrics: Metrics::default(),
             clients: Mutex::new(HashMap::new()),
             in_flight: AtomicUsize::new(0),
@@ -224,12 +234,17 @@ impl DataPlane {
         self.control.lock().local_addr
     }
 
-    /// Registers a worker the Python gateway registered with the Router (same id). `unified`: role "both".
-    pub fn add_worker(&self, id: WorkerId, url: &str, unified: bool) -> Result<(), PlaneError> {
+    /// Registers a worker the Python gateway registered with the Router (same id and role);
+    /// `bootstrap_port`: an SGLang PD prefill server's.
+    pub fn add_worker(&self, id: WorkerId, url: &str, role: Role, bootstrap_port: Option<u16>) -> Result<(), PlaneError> {
         let base = url.trim_end_matches('/');
         let rest = base.strip_prefix("http://").ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
         if rest.is_empty() || rest.starts_with('/') || base.parse::<http::Uri>().is_err() {
             return Err(PlaneError::WorkerUrl(url.to_string()));
+        }
+        let host = pd::url_host(base).ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
+        if bootstrap_port == Some(0) {
+            return Err(PlaneError::Config(format!("worker {id}: bootstrap_port must be a TCP port (1..65535), got 0")));
         }
         let mut ws = self.shared.workers.write();
         if ws.contains_key(&id) {
@@ -238,27 +253,20 @@ impl DataPlane {
         let w = Worker {
             id,
             url: base.to_string(),
-            unified,
+            role,
+            host,
+            bootstrap_port,
             healthy: AtomicBool::new(true),
             in_flight: AtomicI64::new(0),
             served: AtomicU64::new(0),
         };
-        if !unified {
-            self.shared.split_workers.fetch_add(1, Ordering::SeqCst);
-        }
         ws.insert(id, Arc::new(w));
         Ok(())
     }
 
     /// Forgets a worker (requests in flight on it finish normally); false when unknown.
     pub fn remove_worker(&self, id: WorkerId) -> bool {
-        let removed = self.shared.workers.write().remove(&id);
-        if let Some(w) = &removed {
-            if !w.unified {
-                self.shared.split_workers.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-        removed.is_some()
+        self.shared.workers.write().remove(&id).is_some()
     }
 
     /// The owner's view of a worker's health (it marked it down, or its probe brought it back).
@@ -281,6 +289,7 @@ impl DataPlane {
             .map(|w| WorkerRow {
                 id: w.id,
                 url: w.url.clone(),
+                role: w.role,
                 healthy: w.healthy.load(Ordering::SeqCst),
                 in_flight: w.in_flight.load(Ordering::SeqCst),
                 served: w.served.load(Ordering::SeqCst),
@@ -439,20 +448,14 @@ async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Respon
         Ok(raw) => raw,
         Err(reject) => return adm.respond(reject.response()),
     };
-    let hot = sh.cfg.hot_path && sh.split_workers.load(Ordering::Relaxed) == 0;
-    if hot {
+    if sh.cfg.hot_path {
         if let Ok(value) = serde_json::from_slice::<Value>(&raw) {
             let t0 = Instant::now();
             if let Some(prompt) = approx_prompt(&value, chat, sh.block_size, sh.seed) {
                 let stream = truthy(value.get("stream"));
                 drop(value);
-                match serve_hot(&sh, endpoint, &parts.headers, &raw, &prompt, stream, t0, adm).await {
-                    Ok(resp) => return resp,
-                    Err(adm) => {
-                        let key = adm.client.clone();
-                        return forward(&sh, parts, raw, &key, Some(adm.forwarded())).await;
-                    }
-                }
+                let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream };
+                return serve_hot(&call, &prompt, t0, adm).await;
             }
         }
     }
@@ -633,19 +636,43 @@ impl Shared {
     }
 }
 
-/// Routes and relays one hot-path request, retrying on the next-best worker while no byte reached
-/// the client. `Err` hands the request back for forwarding (the router chose a PD path).
-#[allow(clippy::too_many_arguments)]
-async fn serve_hot(
-    sh: &Arc<Shared>,
+/// One hot-path request as every attempt at it sends it upstream.
+struct Call<'a> {
+    sh: &'a Arc<Shared>,
     endpoint: &'static str,
-    headers: &HeaderMap,
-    raw: &Bytes,
-    prompt: &ApproxPrompt,
+    headers: &'a HeaderMap,
+    raw: &'a Bytes,
     stream: bool,
-    t0: Instant,
-    adm: Admission,
-) -> Result<Response<PlaneBody>, Admission> {
+}
+
+/// An attempt that failed before any byte reached the client, so it may be retried elsewhere.
+struct Failure {
+    /// The worker to blame (marked unhealthy); `None`: routed to a worker this plane does not know.
+    worker: Option<Arc<Worker>>,
+    reason: String,
+}
+
+impl Failure {
+    fn of(w: &Arc<Worker>, reason: String) -> Failure {
+        Failure { worker: Some(w.clone()), reason }
+    }
+
+    fn unknown(id: WorkerId) -> Failure {
+        Failure { worker: None, reason: format!("worker {id} is routed to but unknown to the data plane") }
+    }
+}
+
+/// An attempt's outcome: the response, or the admission back with what failed.
+type Attempted = Result<Response<PlaneBody>, (Admission, Failure)>;
+
+/// What `open` returns: status, content type, the first chunk (the whole body when buffered) and the
+/// rest of the stream.
+type Opened = (StatusCode, HeaderValue, Bytes, Option<Incoming>);
+
+/// Routes and relays one hot-path request, retrying on the next-best worker while no byte reached
+/// the client: unified workers, a PD pair (pd.rs), or a PD decision the decode worker serves alone.
+async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instant, mut adm: Admission) -> Response<PlaneBody> {
+    let sh = call.sh;
     let mut last_failure = String::from("no attempt made");
     let attempts = sh.cfg.max_retries + 1;
     for attempt in 0..attempts {
@@ -661,12 +688,12 @@ async fn serve_hot(
             Ok(d) => d,
             Err(e @ RouterError::NoWorkers(_)) => {
                 let msg = format!("no healthy worker to route to ({e}); last failure: {last_failure}");
-                return Ok(adm.respond(error(503, &msg, "service_unavailable", Some(1))));
+                return adm.respond(error(503, &msg, "service_unavailable", Some(1)));
             }
             Err(e @ RouterError::InvalidArgument(_)) => {
-                return Ok(adm.respond(error(400, &format!("cannot route this prompt: {e}"), "invalid_request_error", None)));
+                return adm.respond(error(400, &format!("cannot route this prompt: {e}"), "invalid_request_error", None));
             }
-            Err(e) => return Ok(adm.respond(error(500, &format!("routing failed: {e}"), "internal_error", None))),
+            Err(e) => return adm.respond(error(500, &format!("routing failed: {e}"), "internal_error", None)),
         };
         if attempt == 0 {
             sh.metrics.routing_time(t0.elapsed().as_secs_f64());
@@ -675,46 +702,31 @@ async fn serve_hot(
             sh.metrics.rejection(d.reason.name());
             let retry_after = d.queue_delay.ceil().max(1.0) as u64;
             let msg = format!("request rejected: {} (predicted TTFT {:.3} s); retry later", d.reason.name(), d.predicted_ttft);
-            return Ok(adm.respond(error(429, &msg, "rate_limit_exceeded", Some(retry_after))));
+            return adm.respond(error(429, &msg, "rate_limit_exceeded", Some(retry_after)));
         }
-        let mut lease = Lease { router: sh.router.clone(), rid, prefilled: false };
-        if d.path != RoutePath::Unified {
-            drop(lease); // cancels: the Python gateway routes it again with its PD flow
-            return Err(adm);
-        }
+        let lease = Lease { router: sh.router.clone(), rid, prefilled: false };
         sh.metrics.tokens(prompt.num_tokens, prompt.num_tokens - d.uncached_tokens.min(prompt.num_tokens));
         if let Some(a) = &sh.approx {
-            a.insert(d.worker, &prompt.hashes, a.now());
-        }
-        let Some(w) = sh.worker(d.worker) else {
-            last_failure = format!("worker {} is routed to but unknown to the data plane", d.worker);
-            continue;
-        };
-        let dispatch = Dispatch::new(w.clone());
-        match open(sh, &w, endpoint, headers, raw, stream).await {
-            Ok((status, content_type, first, rest)) => {
-                lease.prefill_done();
-                let sse = content_type.as_bytes().starts_with(b"text/event-stream");
-                let class = status_class(status);
-                let mut body = PlaneBody::full(first);
-                body.upstream = rest;
-                body.read_timeout = Some(sh.cfg.read_timeout);
-                body.on_break = Some(Break { sh: sh.clone(), worker: w.clone(), sse });
-                body.hold = Some(Hold { _lease: Some(lease), _dispatch: Some(dispatch), adm: Some(adm.with_outcome(class)) });
-                let mut resp = Response::new(body);
-                *resp.status_mut() = status;
-                let h = resp.headers_mut();
-                h.insert(CONTENT_TYPE, content_type);
-                if let Ok(v) = HeaderValue::from_str(&w.url) {
-                    h.insert(HeaderName::from_static("x-kvroute-worker"), v);
-                }
-                return Ok(resp);
+            let now = a.now();
+            a.insert(d.worker, &prompt.hashes, now);
+            if let Some(dw) = d.decode_worker.filter(|&dw| dw != d.worker) {
+                a.insert(dw, &prompt.hashes, now);
             }
-            Err(reason) => {
-                last_failure = format!("{}: {reason}", w.url);
-                drop(dispatch);
-                drop(lease);
-                sh.mark_unhealthy(&w, &reason);
+        }
+        let outcome = match (d.path, d.decode_worker) {
+            (RoutePath::Disaggregated, Some(dw)) => pd::serve(call, d.worker, dw, lease, adm).await,
+            _ => unified(call, d.worker, lease, adm).await,
+        };
+        match outcome {
+            Ok(resp) => return resp,
+            Err((back, failure)) => {
+                adm = back;
+                let Some(w) = failure.worker else {
+                    last_failure = failure.reason;
+                    continue;
+                };
+                last_failure = format!("{}: {}", w.url, failure.reason);
+                sh.mark_unhealthy(&w, &failure.reason);
                 if attempt + 1 < attempts {
                     sh.metrics.retry();
                 }
@@ -722,20 +734,47 @@ async fn serve_hot(
         }
     }
     let msg = format!("all {attempts} attempts failed; last: {last_failure}");
-    Ok(adm.respond(error(502, &msg, "upstream_error", None)))
+    adm.respond(error(502, &msg, "upstream_error", None))
+}
+
+/// One attempt on one worker that prefills and decodes (a unified worker, or a PD decode worker
+/// prefilling locally): the request body goes upstream unchanged.
+async fn unified(call: &Call<'_>, worker: WorkerId, mut lease: Lease, adm: Admission) -> Attempted {
+    let Some(w) = call.sh.worker(worker) else { return Err((adm, Failure::unknown(worker))) };
+    let dispatch = Dispatch::new(w.clone());
+    match open(call.sh, &w, call.endpoint, call.headers, call.raw, call.stream).await {
+        Ok(opened) => {
+            lease.prefill_done();
+            Ok(relay(call.sh, &w, opened, Hold { _lease: Some(lease), _dispatch: Some(dispatch), ..Hold::default() }, adm))
+        }
+        Err(reason) => Err((adm, Failure::of(&w, reason))),
+    }
+}
+
+/// The client's response relaying worker `w`'s answer; `hold` (with the admission) lives until its end.
+fn relay(sh: &Arc<Shared>, w: &Arc<Worker>, opened: Opened, mut hold: Hold, adm: Admission) -> Response<PlaneBody> {
+    let (status, content_type, first, rest) = opened;
+    let sse = content_type.as_bytes().starts_with(b"text/event-stream");
+    hold.adm = Some(adm.with_outcome(status_class(status)));
+    let mut body = PlaneBody::full(first);
+    body.upstream = rest;
+    body.read_timeout = Some(sh.cfg.read_timeout);
+    body.on_break = Some(Break { sh: sh.clone(), worker: w.clone(), sse });
+    body.hold = Some(hold);
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, content_type);
+    if let Ok(v) = HeaderValue::from_str(&w.url) {
+        h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+    }
+    resp
 }
 
 /// Sends one request to a worker; returns status, content type and the first chunk (the whole body
 /// when not streaming) plus the rest of the stream. `Err` (refusal, 5xx, a break before the first
 /// byte) may be retried elsewhere.
-async fn open(
-    sh: &Shared,
-    w: &Worker,
-    path: &str,
-    headers: &HeaderMap,
-    raw: &Bytes,
-    stream: bool,
-) -> Result<(StatusCode, HeaderValue, Bytes, Option<Incoming>), String> {
+async fn open(sh: &Shared, w: &Worker, path: &str, headers: &HeaderMap, raw: &Bytes, stream: bool) -> Result<Opened, String> {
     let mut b = Request::post(format!("{}{}", w.url, path))
         .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
         .header(ACCEPT, HeaderValue::from_static("*/*"));
@@ -861,6 +900,8 @@ struct Hold {
     // Held for their Drop: the lease releases the Router's load, the dispatch the worker's count.
     _lease: Option<Lease>,
     _dispatch: Option<Dispatch>,
+    /// A PD request's prefill side.
+    _pd: Option<PdHold>,
     adm: Option<Admission>,
 }
 

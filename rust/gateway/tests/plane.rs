@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvroute_core::router::WorkerSpec;
+use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig};
-use kvroute_gateway::{DataPlane, PlaneConfig};
+use kvroute_gateway::{DataPlane, PdConvention, PlaneConfig};
 
 /// A one-answer HTTP/1.1 server on a thread: replies `reply` to every request, keep-alive; records
 /// each request's head and body.
@@ -87,6 +87,7 @@ fn config(backend: SocketAddr) -> PlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         backend,
         hot_path: true,
+        pd_convention: PdConvention::Vllm,
         max_body_bytes: 1 << 20,
         max_client_concurrency: 8,
         max_in_flight: 64,
@@ -116,8 +117,8 @@ fn refused_worker_is_retried_marked_and_load_released() {
         m2.fetch_add(1 + w as usize * 10, Ordering::SeqCst);
     });
     let dp = DataPlane::new(router.clone(), config(backend), Some(hook)).unwrap();
-    dp.add_worker(0, &format!("http://{refused}"), true).unwrap();
-    dp.add_worker(1, &format!("http://{good}/"), true).unwrap();
+    dp.add_worker(0, &format!("http://{refused}"), Role::Both, None).unwrap();
+    dp.add_worker(1, &format!("http://{good}/"), Role::Both, None).unwrap();
     let addr = dp.start().unwrap();
     // The prompt is "cached" on the refusing worker, so it is the first choice.
     let body = format!(r#"{{"prompt": "{}", "stream": true, "max_tokens": 2}}"#, "abcd".repeat(300));

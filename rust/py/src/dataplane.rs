@@ -4,7 +4,8 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use kvroute_gateway::{approx_prompt as rust_approx_prompt, DataPlane, PlaneConfig, PlaneError, ROUTING_BUCKETS};
+use kvroute_core::router::Role;
+use kvroute_gateway::{approx_prompt as rust_approx_prompt, DataPlane, PdConvention, PlaneConfig, PlaneError, ROUTING_BUCKETS};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -36,9 +37,10 @@ fn seconds(v: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-/// The gateway's data plane: an HTTP/1.1 server in Rust that serves unified approximate-mode
-/// completions itself (hash, route on `router`, relay with load accounting and retries) and forwards
-/// every other request, byte for byte, to the Python gateway at `backend_host:backend_port`.
+/// The gateway's data plane: an HTTP/1.1 server in Rust that serves approximate-mode completions
+/// itself (hash, route on `router`, relay with load accounting and retries; unified workers and PD
+/// pairs in `pd_convention`) and forwards every other request, byte for byte, to the Python gateway
+/// at `backend_host:backend_port`.
 ///
 /// Register the workers (same ids as in `router`) before `start()`; `on_unhealthy(worker_id, reason)`
 /// is called from the data plane's thread when it takes a failing worker out of routing.
@@ -51,7 +53,7 @@ pub struct PyDataPlane {
 impl PyDataPlane {
     #[new]
     #[pyo3(signature = (
-        router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true,
+        router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true, pd_convention = "vllm",
         max_body_bytes = 33554432, max_client_concurrency = 256, max_in_flight = 10000, client_key_header = None,
         max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None
     ))]
@@ -63,6 +65,7 @@ impl PyDataPlane {
         host: &str,
         port: u16,
         hot_path: bool,
+        pd_convention: &str,
         max_body_bytes: usize,
         max_client_concurrency: usize,
         max_in_flight: usize,
@@ -77,10 +80,13 @@ impl PyDataPlane {
         if threads == 0 || threads > 64 {
             return Err(PyValueError::new_err(format!("threads must be in 1..=64, got {threads}")));
         }
+        let pd_convention = PdConvention::from_name(pd_convention)
+            .ok_or_else(|| PyValueError::new_err(format!("pd_convention must be 'vllm' or 'sglang', got {pd_convention:?}")))?;
         let cfg = PlaneConfig {
             listen: addr(host, port, "host")?,
             backend: addr(backend_host, backend_port, "backend")?,
             hot_path,
+            pd_convention,
             max_body_bytes,
             max_client_concurrency,
             max_in_flight,
@@ -127,14 +133,18 @@ impl PyDataPlane {
         self.inner.local_addr().map(|a| format!("http://{a}"))
     }
 
-    /// Registers a worker by the id the Router knows it under; `role` "both" is served on the hot
-    /// path, any other role turns the hot path off (PD requests go to the Python gateway).
-    #[pyo3(signature = (worker, url, *, role = "both"))]
-    fn add_worker(&self, worker: &Bound<'_, PyAny>, url: &str, role: &str) -> PyResult<()> {
-        if !matches!(role, "both" | "prefill" | "decode") {
-            return Err(PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")));
-        }
-        self.inner.add_worker(extract_u64(worker, "worker")?, url, role == "both").map_err(to_py)
+    /// Registers a worker by the id and role the Router knows it under; `bootstrap_port`: an SGLang
+    /// PD prefill server's (sent to both servers of a pair as `bootstrap_port`).
+    #[pyo3(signature = (worker, url, *, role = "both", bootstrap_port = None))]
+    fn add_worker(&self, worker: &Bound<'_, PyAny>, url: &str, role: &str, bootstrap_port: Option<i64>) -> PyResult<()> {
+        let role = Role::from_name(role)
+            .ok_or_else(|| PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")))?;
+        let port = match bootstrap_port {
+            None => None,
+            Some(p) if (1..=65535).contains(&p) => Some(p as u16),
+            Some(p) => return Err(PyValueError::new_err(format!("bootstrap_port must be a TCP port (1..65535), got {p}"))),
+        };
+        self.inner.add_worker(extract_u64(worker, "worker")?, url, role, port).map_err(to_py)
     }
 
     /// Forgets a worker; returns whether it was registered.
@@ -147,13 +157,14 @@ impl PyDataPlane {
         Ok(self.inner.set_healthy(extract_u64(worker, "worker")?, healthy))
     }
 
-    /// Per worker: id, url, healthy, in_flight, requests (dispatched by this plane).
+    /// Per worker: id, url, role, healthy, in_flight, requests (dispatched by this plane).
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for r in self.inner.workers() {
             let d = PyDict::new(py);
             d.set_item("id", r.id)?;
             d.set_item("url", r.url)?;
+            d.set_item("role", r.role.name())?;
             d.set_item("healthy", r.healthy)?;
             d.set_item("in_flight", r.in_flight)?;
             d.set_item("requests", r.served)?;
