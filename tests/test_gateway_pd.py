@@ -1,17 +1,21 @@
-"""Gateway PD mode in both handshakes (vLLM's kv_transfer_params, SGLang's bootstrap), exact-token
-mode with a tokenizer built here, and the ``kvroute serve`` argument handling."""
+"""Gateway PD mode in both handshakes (vLLM's kv_transfer_params, SGLang's bootstrap) with their
+failures (dead workers on either side, errors, client disconnects), exact-token mode with a tokenizer
+built here, and the ``kvroute serve`` argument handling. On the ``rust`` server the PD flows run on the
+Rust data plane's hot path (asserted: none is forwarded to the Python gateway)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("aiohttp")
 
+import aiohttp
 import kvroute
 from gateway_harness import (
     Cluster,
@@ -26,6 +30,16 @@ from kvroute.gateway.prompt import ApproxCache, ApproxPrompter, ExactPrompter
 pytestmark = pytest.mark.usefixtures("http_server")
 
 CHAT = {"messages": [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "why is the sky blue?"}], "max_tokens": 6}
+
+
+def assert_served_by_the_plane_in_front(c: Cluster) -> None:
+    """On the ``rust`` server, the data plane served every completion itself: none was forwarded."""
+    if c.server != "rust":
+        return
+    dp = c.gw.data_plane
+    assert dp is not None
+    m = dp.metrics()
+    assert m["forwarded"] == 0 and sum(m["requests"].values()) > 0, m
 
 
 def test_pd_vllm_convention_two_steps() -> None:
@@ -59,6 +73,7 @@ def test_pd_vllm_convention_two_steps() -> None:
                 assert db["kv_transfer_params"] == returned and returned["remote_engine_id"] == prefill.name
                 assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == body
                 assert decode.prompt_tokens == 0, "the decode worker recomputed the prompt instead of receiving its KV"
+            assert_served_by_the_plane_in_front(c)
             assert_no_leak(c)
 
     run(scenario())
@@ -92,6 +107,142 @@ def test_pd_sglang_convention_bootstrap_to_both() -> None:
             other = next(m for m in c.prefill if m is not prefill)
             assert other.bodies[-1]["bootstrap_room"] != pb["bootstrap_room"]
             assert c.metrics.retries == 1
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_pd_vllm_retries_past_a_dead_prefill_and_a_dead_decode_worker() -> None:
+    async def scenario() -> None:
+        async with Cluster(prefill=2, decode=2, pd_convention="vllm") as c:
+            p0, p1 = c.prefill
+            d0, d1 = c.decode
+            body = {"prompt": "dead prefill " * 40, "max_tokens": 3, "stream": True}
+            c.router.index.store(c.worker_id(p0), c.gw.prompter.prompt(body, False).hashes)  # p0 is the first choice
+            await p0.stop()  # refuses connections, and its health probe fails: it stays out
+            status, headers, data = await c.post("/v1/completions", body)
+            assert status == 200 and data.endswith(b"data: [DONE]\n\n"), data
+            assert p1.requests == 1 and c.metrics.retries == 1
+            assert c.worker_id(p0) not in c.router.workers()
+
+            # A dead decode worker: the attempt fails after its prefill, so the retry prefills again.
+            await d0.stop()
+            prefills, sent = p1.requests, 0
+            for i in range(4):  # the router's decode choice rotates over idle workers: d0 comes within a few
+                status, headers, data = await c.post("/v1/completions", {"prompt": f"dead decode {i} " * 30, "max_tokens": 2})
+                sent += 1
+                assert status == 200 and headers["X-Kvroute-Worker"] == d1.url, data
+                if c.worker_id(d0) not in c.router.workers():
+                    break
+            else:
+                raise AssertionError("the router never chose the dead decode worker")
+            assert p1.requests - prefills == sent + 1 and d1.requests == 1 + sent
+            assert c.metrics.retries == 2 and c.metrics.upstream_errors[d0.url] == 1
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_pd_vllm_prefill_errors_reach_the_client() -> None:
+    async def scenario() -> None:
+        async with Cluster(prefill=1, decode=1, pd_convention="vllm", max_retries=0) as c:
+            [p], [d] = c.prefill, c.decode
+            body = {"prompt": "bad request " * 20, "max_tokens": 2}
+            # A 4xx from the prefill is the client's error: passed through, nothing marked, no decode.
+            p.fail_next, p.fail_status = 1, 422
+            status, headers, data = await c.post("/v1/completions", body)
+            assert status == 422 and json.loads(data) == {"error": {"message": "p0: injected failure"}}, data
+            assert "X-Kvroute-Worker" not in headers and d.requests == 0
+            assert c.worker_id(p) in c.router.workers() and c.metrics.retries == 0
+            # A 5xx with no retry left: 502 naming the worker and its answer.
+            p.fail_next, p.fail_status, p.healthy = 1, 500, False
+            status, headers, data = await c.post("/v1/completions", body)
+            err = json.loads(data)["error"]
+            assert status == 502 and err["type"] == "upstream_error" and err["code"] == 502, data
+            assert err["message"].startswith(f"all 1 attempts failed; last: {p.url}: HTTP 500"), err
+            # No prefill worker left to route to: 503 with Retry-After, nothing sent anywhere.
+            status, headers, data = await c.post("/v1/completions", body)
+            assert status == 503 and headers["Retry-After"] == "1", data
+            assert json.loads(data)["error"]["type"] == "service_unavailable"
+            assert d.requests == 0 and p.requests == 2
+            # Probed back once its /health answers: served again.
+            p.healthy = True
+            await poll(lambda: c.worker_id(p) in c.router.workers(), what="the prefill worker probed back")
+            status, headers, data = await c.post("/v1/completions", body)
+            assert status == 200 and headers["X-Kvroute-Worker"] == d.url, data
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_pd_decode_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def scenario() -> None:
+        async with Cluster(prefill=1, decode=1, pd_convention="vllm") as c:
+            [d] = c.decode
+            d.token_delay = 0.02
+            async with c.client.post(c.url + "/v1/completions", json={"prompt": "dies " * 30, "max_tokens": 500, "stream": True}) as r:
+                assert r.status == 200 and r.headers["X-Kvroute-Worker"] == d.url
+                assert await r.content.readany()
+                await d.kill()
+                rest = await r.read()
+            assert b'"upstream_error"' in rest and not rest.endswith(b"data: [DONE]\n\n"), rest[-200:]
+            assert c.worker_id(d) not in c.router.workers() and c.metrics.upstream_errors[d.url] == 1
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+async def _disconnect_mid_stream(c: Cluster, body: dict[str, Any]) -> None:
+    """Reads the first chunk of a streamed answer, then goes away."""
+    async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        assert await r.content.readany()
+
+
+async def _disconnect_before_first_byte(c: Cluster, body: dict[str, Any]) -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.2)) as s:
+            await s.post(c.url + "/v1/completions", json=body)
+
+
+def test_pd_vllm_client_disconnect_cancels_the_upstream_request_and_releases_load() -> None:
+    async def scenario() -> None:
+        async with Cluster(prefill=1, decode=1, pd_convention="vllm") as c:
+            [p], [d] = c.prefill, c.decode
+            p.cost_per_token = 1.0  # the prefill is still computing when the client gives up
+            await _disconnect_before_first_byte(c, {"prompt": "slow prefill " * 30, "max_tokens": 5})
+            await poll(lambda: p.cancelled == 1, what="the prefill request cancelled")
+            assert d.requests == 0
+            p.cost_per_token, d.token_delay = 0.0, 0.02
+            await _disconnect_mid_stream(c, {"prompt": "long answer " * 30, "max_tokens": 500, "stream": True})
+            await poll(lambda: d.cancelled == 1, what="the decode request cancelled mid-stream")
+            await poll(lambda: c.in_flight() == 0, what="the gateway to release both requests")
+            assert c.metrics.client_disconnects == 2 and p.completed == 1 and d.completed == 0
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_pd_sglang_client_disconnect_cancels_both_requests_and_releases_load() -> None:
+    async def scenario() -> None:
+        async with Cluster(prefill=1, decode=1, pd_convention="sglang", rendezvous=Rendezvous()) as c:
+            [p], [d] = c.prefill, c.decode
+            # The prefill signals its room at once, then computes; the decode streams meanwhile.
+            p.cost_per_token, d.token_delay = 1.0, 0.02
+            await _disconnect_mid_stream(c, {"prompt": "both at once " * 30, "max_tokens": 500, "stream": True})
+            await poll(lambda: (p.cancelled, d.cancelled) == (1, 1), what="both requests cancelled mid-stream")
+            # Before any byte: both servers still computing.
+            d.cost_per_token = 1.0
+            await _disconnect_before_first_byte(c, {"prompt": "nothing yet " * 30, "max_tokens": 5, "stream": True})
+            await poll(lambda: (p.cancelled, d.cancelled) == (2, 2), what="both requests cancelled before the first byte")
+            await poll(lambda: c.in_flight() == 0, what="the gateway to release both requests")
+            assert c.metrics.client_disconnects == 2 and p.completed == 0 and d.completed == 0
+            assert_served_by_the_plane_in_front(c)
             assert_no_leak(c)
 
     run(scenario())

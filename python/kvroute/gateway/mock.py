@@ -40,7 +40,7 @@ def _prompt_text(body: dict[str, Any]) -> str:
 class MockWorker:
     """One mock engine on 127.0.0.1. ``cost_per_token``: seconds of prefill per uncached prompt token
     (4 bytes of text); ``token_delay``: seconds per streamed output token. ``fail_next`` > 0 answers
-    that many requests with HTTP 500; ``healthy = False`` makes /health answer 503."""
+    that many requests with HTTP ``fail_status`` (500); ``healthy = False`` makes /health answer 503."""
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class MockWorker:
         self.bootstrap_port = bootstrap_port
         self.cache: OrderedDict[bytes, None] = OrderedDict()
         self.fail_next = 0
+        self.fail_status = 500
         self.healthy = True
         self.requests = 0
         self.completed = 0
@@ -154,7 +155,7 @@ class MockWorker:
                 self.bodies.append(body)
             if self.fail_next > 0:
                 self.fail_next -= 1
-                return web.json_response({"error": {"message": f"{self.name}: injected failure"}}, status=500)
+                return web.json_response({"error": {"message": f"{self.name}: injected failure"}}, status=self.fail_status)
             if "prompt" not in body and "messages" not in body:
                 return web.json_response({"error": {"message": "prompt or messages required"}}, status=400)
             resp = await self._serve(request, body)
