@@ -259,16 +259,28 @@ class MockWorker:
 
 
 async def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - used by benches/bench_gateway.py
-    """``python -m kvroute.gateway.mock --workers N``: serves N mock engines, prints one URL per line."""
+    """``python -m kvroute.gateway.mock --workers N``: serves N mock engines, prints one URL per line.
+    ``--prefill P --decode D`` serves a PD deployment instead (prefill URLs first), its SGLang
+    bootstrap rooms shared in this process."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m kvroute.gateway.mock")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=0, help="PD: prefill engines (with --decode; replaces --workers)")
+    p.add_argument("--decode", type=int, default=0, help="PD: decode engines")
     p.add_argument("--port", type=int, default=0, help="first port (0: ephemeral ports)")
     p.add_argument("--cost-per-token", type=float, default=0.0)
     p.add_argument("--token-delay", type=float, default=0.0)
     a = p.parse_args(argv)
-    workers = [MockWorker(f"mock{i}", cost_per_token=a.cost_per_token, token_delay=a.token_delay) for i in range(a.workers)]
+    kw: dict[str, Any] = {"cost_per_token": a.cost_per_token, "token_delay": a.token_delay}
+    if a.prefill or a.decode:
+        if not (a.prefill and a.decode):
+            p.error("PD mode needs both --prefill and --decode engines")
+        rv = Rendezvous()
+        workers = [MockWorker(f"prefill{i}", role="prefill", rendezvous=rv, **kw) for i in range(a.prefill)]
+        workers += [MockWorker(f"decode{i}", role="decode", rendezvous=rv, **kw) for i in range(a.decode)]
+    else:
+        workers = [MockWorker(f"mock{i}", **kw) for i in range(a.workers)]
     for i, w in enumerate(workers):
         print(await w.start(a.port + i if a.port else 0), flush=True)
     with contextlib.suppress(asyncio.CancelledError):
