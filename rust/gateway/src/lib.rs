@@ -1,11 +1,12 @@
-//! kvroute's data plane: an HTTP/1.1 front door (hyper on tokio) that serves unified approximate-mode
-//! completions itself on the core `Router` and forwards every other request to the Python gateway.
+//! kvroute's data plane: an HTTP/1.1 front door (hyper on tokio) that serves approximate-mode
+//! completions itself on the core `Router`, unified or PD (`plane::pd`, src/pd.rs), and forwards every
+//! other request to the Python gateway.
 //!
-//! Why two planes: the Python gateway holds all the semantics (PD conventions, exact tokenization,
-//! admin API, health probes, /metrics), but a Python relay alone costs about as much CPU as the whole
-//! routing-overhead budget. The hot path — parse, hash, route, relay — therefore runs here, with no
-//! GIL, on the same `Router` and `KvIndex` the Python side uses; everything else is forwarded byte for
-//! byte to the Python gateway on an internal loopback port.
+//! Why two planes: the Python gateway holds all the semantics (exact tokenization, admin API, health
+//! probes, /metrics, and the PD conventions the Rust ones are tested against), but a Python relay
+//! alone costs about as much CPU as the whole routing-overhead budget. The hot path — parse, hash,
+//! route, relay — therefore runs here, with no GIL, on the same `Router` and `KvIndex` the Python side
+//! uses; everything else is forwarded byte for byte to the Python gateway on an internal loopback port.
 
 pub mod approx;
 pub mod metrics;
