@@ -185,12 +185,19 @@ def test_bad_data_plane_configuration_is_refused() -> None:
         DataPlane(router, backend_port=1, read_timeout=0.0)
     with pytest.raises(ValueError, match="max_body_bytes"):
         DataPlane(router, backend_port=1, max_body_bytes=0)
+    with pytest.raises(ValueError, match="pd_convention must be 'vllm' or 'sglang', got \"nixl\""):
+        DataPlane(router, backend_port=1, pd_convention="nixl")
     dp = DataPlane(router, backend_port=1)
     with pytest.raises(ValueError, match="expected http"):
         dp.add_worker(0, "https://h:1")
     with pytest.raises(ValueError, match="role"):
         dp.add_worker(0, "http://h:1", role="encode")
+    for port in (0, 70000):
+        with pytest.raises(ValueError, match="bootstrap_port must be a TCP port"):
+            dp.add_worker(0, "http://h:1", role="prefill", bootstrap_port=port)
     dp.add_worker(0, "http://h:1")
+    dp.add_worker(1, "http://P.example:2", role="prefill", bootstrap_port=8998)
+    assert [(w["id"], w["role"]) for w in dp.workers()] == [(0, "both"), (1, "prefill")]
     with pytest.raises(ValueError, match="already registered"):
         dp.add_worker(0, "http://h:2")
     assert dp.remove_worker(0) and not dp.remove_worker(0)
