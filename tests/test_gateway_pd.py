@@ -196,6 +196,31 @@ def test_pd_decode_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
     run(scenario())
 
 
+@pytest.mark.parametrize("convention", ["vllm", "sglang"])
+def test_pd_concurrent_load_loses_no_request_and_leaks_no_load(convention: str) -> None:
+    async def scenario() -> None:
+        rv = Rendezvous() if convention == "sglang" else None
+        async with Cluster(prefill=2, decode=2, pd_convention=convention, rendezvous=rv, mock={"token_delay": 0.001}) as c:
+            sem = asyncio.Semaphore(32)
+            answers: list[tuple[int, bool]] = []
+
+            async def one(i: int) -> None:
+                body = {"prompt": f"group {i % 8} " * 60 + f"question {i}", "max_tokens": 6, "stream": i % 2 == 0}
+                async with sem:
+                    status, _, data = await c.post("/v1/completions", body)
+                answers.append((status, data.endswith(b"data: [DONE]\n\n") if body["stream"] else "choices" in json.loads(data)))
+
+            await asyncio.gather(*(one(i) for i in range(240)))
+            assert answers == [(200, True)] * 240
+            assert sum(m.requests for m in c.decode) == 240 and sum(m.requests for m in c.prefill) == 240
+            assert min(m.requests for m in c.mocks) > 0, [m.requests for m in c.mocks]
+            await poll(lambda: c.in_flight() == 0, what="every request released")
+            assert_served_by_the_plane_in_front(c)
+            assert_no_leak(c)
+
+    run(scenario())
+
+
 async def _disconnect_mid_stream(c: Cluster, body: dict[str, Any]) -> None:
     """Reads the first chunk of a streamed answer, then goes away."""
     async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/completions", json=body) as r:
