@@ -33,6 +33,7 @@ use tokio::sync::oneshot;
 use tokio::time::Sleep;
 
 use crate::approx::ApproxCache;
+use crate::exact::{ExactError, ExactPrompter};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::prompt::{approx_prompt, ApproxPrompt};
 
@@ -59,10 +60,12 @@ pub struct PlaneConfig {
     pub listen: SocketAddr,
     /// The Python gateway's internal address (loopback), for everything not served here.
     pub backend: SocketAddr,
-    /// Serve approximate-mode completions here, unified and PD (else forward them too).
+    /// Serve completions here, unified and PD (else forward them too).
     pub hot_path: bool,
     /// How prefill and decode workers are paired (the Python gateway's `pd_convention`).
     pub pd_convention: PdConvention,
+    /// Exact mode: the engines' tokenizer.json (or its directory); `None`: approximate prompts.
+    pub tokenizer: Option<std::path::PathBuf>,
     pub max_body_bytes: usize,
     pub max_client_concurrency: usize,
     pub max_in_flight: usize,
@@ -93,6 +96,8 @@ pub enum PlaneError {
     WorkerUrl(String),
     #[error("worker {0} is already registered with the data plane")]
     DuplicateWorker(WorkerId),
+    #[error(transparent)]
+    Exact(#[from] ExactError),
 }
 
 /// One worker as the data plane sees it.
@@ -128,6 +133,7 @@ struct Shared {
     seed: u64,
     workers: RwLock<HashMap<WorkerId, Arc<Worker>>>,
     approx: Option<ApproxCache>,
+    exact: Option<Arc<ExactPrompter>>,
     metrics: Metrics,
     clients: Mutex<HashMap<String, usize>>,
     in_flight: AtomicUsize,
@@ -164,10 +170,15 @@ impl DataPlane {
         connector.set_connect_timeout(Some(cfg.connect_timeout));
         let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
         let rc = router.config();
+        let exact = match &cfg.tokenizer {
+            Some(path) => Some(Arc::new(ExactPrompter::load(path, rc.block_size, rc.hash_seed)?)),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             block_size: rc.block_size,
             seed: rc.hash_seed,
             approx: cfg.approx_ttl.map(|ttl| ApproxCache::new(router.index().clone(), ttl)),
+            exact,
             router: router.clone(),
             backend_base: format!("http://{}", cfg.backend),
             cfg,
@@ -301,6 +312,20 @@ impl DataPlane {
 
     pub fn approx(&self) -> Option<&ApproxCache> {
         self.shared.approx.as_ref()
+    }
+
+    /// Exact mode's prompter, when the plane was configured with a tokenizer.
+    pub fn exact(&self) -> Option<&ExactPrompter> {
+        self.shared.exact.as_deref()
+    }
+
+    /// The prompt the hot path routes this body on (exact or approximate, as configured), or `None`
+    /// when it would forward the request to the Python gateway.
+    pub fn prompt(&self, body: &Value, chat: bool) -> Option<ApproxPrompt> {
+        match &self.shared.exact {
+            Some(exact) => exact.prompt(body, chat),
+            None => approx_prompt(body, chat, self.shared.block_size, self.shared.seed),
+        }
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {
@@ -451,9 +476,12 @@ async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Respon
     if sh.cfg.hot_path {
         if let Ok(value) = serde_json::from_slice::<Value>(&raw) {
             let t0 = Instant::now();
-            if let Some(prompt) = approx_prompt(&value, chat, sh.block_size, sh.seed) {
-                let stream = truthy(value.get("stream"));
-                drop(value);
+            let stream = truthy(value.get("stream"));
+            let prompt = match &sh.exact {
+                Some(exact) => exact.prompt_async(value, chat).await,
+                None => approx_prompt(&value, chat, sh.block_size, sh.seed),
+            };
+            if let Some(prompt) = prompt {
                 let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream };
                 return serve_hot(&call, &prompt, t0, adm).await;
             }

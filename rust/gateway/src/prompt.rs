@@ -23,10 +23,7 @@ pub const BYTES_PER_TOKEN: usize = 4;
 pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> Option<ApproxPrompt> {
     let body = body.as_object()?;
     let tokens = if chat {
-        let msgs = body.get("messages")?.as_array()?;
-        if msgs.is_empty() {
-            return None;
-        }
+        let msgs = valid_messages(body)?;
         let mut text = String::new();
         for m in msgs {
             let m = m.as_object()?;
@@ -40,8 +37,8 @@ pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> 
         text_tokens(text.as_bytes())
     } else {
         match completion_prompt(body.get("prompt")?)? {
-            Prompt::Text(s) => text_tokens(s.as_bytes()),
-            Prompt::Ids(ids) => ids,
+            CompletionPrompt::Text(s) => text_tokens(s.as_bytes()),
+            CompletionPrompt::Ids(ids) => ids,
         }
     };
     if tokens.is_empty() {
@@ -52,22 +49,32 @@ pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> 
     Some(ApproxPrompt { hashes, num_tokens: tokens.len() as u64, output_tokens })
 }
 
-enum Prompt<'a> {
+/// A completions request's (first) prompt.
+pub(crate) enum CompletionPrompt<'a> {
     Text(&'a str),
     Ids(Vec<u32>),
 }
 
+/// `_messages`: a non-empty list of objects, each with a string `role`.
+pub(crate) fn valid_messages(body: &serde_json::Map<String, Value>) -> Option<&Vec<Value>> {
+    let msgs = body.get("messages")?.as_array()?;
+    if msgs.is_empty() || !msgs.iter().all(|m| m.get("role").is_some_and(Value::is_string)) {
+        return None;
+    }
+    Some(msgs)
+}
+
 /// `_completion_prompt`: a string, a list of token ids, or a list whose first item is one of those.
-fn completion_prompt(p: &Value) -> Option<Prompt<'_>> {
+pub(crate) fn completion_prompt(p: &Value) -> Option<CompletionPrompt<'_>> {
     match p {
-        Value::String(s) => Some(Prompt::Text(s)),
+        Value::String(s) => Some(CompletionPrompt::Text(s)),
         Value::Array(items) if !items.is_empty() => {
             if items.iter().all(is_int) {
-                return token_ids(items).map(Prompt::Ids);
+                return token_ids(items).map(CompletionPrompt::Ids);
             }
             match &items[0] {
-                Value::String(s) => Some(Prompt::Text(s)),
-                Value::Array(first) if !first.is_empty() && first.iter().all(is_int) => token_ids(first).map(Prompt::Ids),
+                Value::String(s) => Some(CompletionPrompt::Text(s)),
+                Value::Array(first) if !first.is_empty() && first.iter().all(is_int) => token_ids(first).map(CompletionPrompt::Ids),
                 _ => None,
             }
         }
@@ -86,7 +93,7 @@ fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
 
 /// `_output_tokens`: the first of max_completion_tokens / max_tokens that is not null; `None` (the
 /// outer option) when it is not a non-negative integer the router accepts.
-fn output_tokens(body: &serde_json::Map<String, Value>) -> Option<Option<u64>> {
+pub(crate) fn output_tokens(body: &serde_json::Map<String, Value>) -> Option<Option<u64>> {
     for key in ["max_completion_tokens", "max_tokens"] {
         match body.get(key) {
             None | Some(Value::Null) => continue,
@@ -167,7 +174,7 @@ pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
     Some(())
 }
 
-fn py_json_str(s: &str, out: &mut String) {
+pub(crate) fn py_json_str(s: &str, out: &mut String) {
     out.push('"');
     for c in s.chars() {
         match c {

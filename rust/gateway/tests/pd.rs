@@ -133,6 +133,7 @@ fn config(pd_convention: PdConvention) -> PlaneConfig {
         read_timeout: Duration::from_secs(5),
         approx_ttl: Some(Duration::from_secs(60)),
         threads: 1,
+        tokenizer: None,
     }
 }
 

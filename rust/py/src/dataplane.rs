@@ -5,9 +5,11 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use kvroute_core::router::Role;
-use kvroute_gateway::{approx_prompt as rust_approx_prompt, DataPlane, PdConvention, PlaneConfig, PlaneError, ROUTING_BUCKETS};
+use kvroute_gateway::{
+    approx_prompt as rust_approx_prompt, ApproxPrompt, DataPlane, ExactError, PdConvention, PlaneConfig, PlaneError, ROUTING_BUCKETS,
+};
 use numpy::{IntoPyArray, PyArray1};
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -17,7 +19,10 @@ use crate::router::PyRouter;
 fn to_py(e: PlaneError) -> PyErr {
     match e {
         PlaneError::Bind { .. } | PlaneError::Runtime(_) => PyOSError::new_err(e.to_string()),
-        PlaneError::Config(_) | PlaneError::WorkerUrl(_) | PlaneError::DuplicateWorker(_) => PyValueError::new_err(e.to_string()),
+        PlaneError::Exact(ExactError::NotFound(_)) => PyFileNotFoundError::new_err(e.to_string()),
+        PlaneError::Config(_) | PlaneError::WorkerUrl(_) | PlaneError::DuplicateWorker(_) | PlaneError::Exact(_) => {
+            PyValueError::new_err(e.to_string())
+        }
     }
 }
 
@@ -37,10 +42,11 @@ fn seconds(v: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-/// The gateway's data plane: an HTTP/1.1 server in Rust that serves approximate-mode completions
-/// itself (hash, route on `router`, relay with load accounting and retries; unified workers and PD
-/// pairs in `pd_convention`) and forwards every other request, byte for byte, to the Python gateway
-/// at `backend_host:backend_port`.
+/// The gateway's data plane: an HTTP/1.1 server in Rust that serves completions itself (tokenize or
+/// hash, route on `router`, relay with load accounting and retries; unified workers and PD pairs in
+/// `pd_convention`; exact mode with `tokenizer`, a tokenizer.json or its directory, else approximate
+/// mode) and forwards every other request, byte for byte, to the Python gateway at
+/// `backend_host:backend_port`.
 ///
 /// Register the workers (same ids as in `router`) before `start()`; `on_unhealthy(worker_id, reason)`
 /// is called from the data plane's thread when it takes a failing worker out of routing.
@@ -55,10 +61,12 @@ impl PyDataPlane {
     #[pyo3(signature = (
         router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true, pd_convention = "vllm",
         max_body_bytes = 33554432, max_client_concurrency = 256, max_in_flight = 10000, client_key_header = None,
-        max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None
+        max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None,
+        tokenizer = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         router: &Bound<'_, PyRouter>,
         backend_port: u16,
         backend_host: &str,
@@ -76,6 +84,7 @@ impl PyDataPlane {
         approx_ttl: Option<f64>,
         threads: usize,
         on_unhealthy: Option<Py<PyAny>>,
+        tokenizer: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         if threads == 0 || threads > 64 {
             return Err(PyValueError::new_err(format!("threads must be in 1..=64, got {threads}")));
@@ -87,6 +96,7 @@ impl PyDataPlane {
             backend: addr(backend_host, backend_port, "backend")?,
             hot_path,
             pd_convention,
+            tokenizer,
             max_body_bytes,
             max_client_concurrency,
             max_in_flight,
@@ -106,7 +116,7 @@ impl PyDataPlane {
                 })
             }) as kvroute_gateway::UnhealthyHook
         });
-        let inner = DataPlane::new(router.get().inner.clone(), cfg, hook).map_err(to_py)?;
+        let inner = py.detach(|| DataPlane::new(router.get().inner.clone(), cfg, hook)).map_err(to_py)?;
         Ok(PyDataPlane { inner })
     }
 
@@ -250,6 +260,42 @@ impl PyDataPlane {
         self.inner.approx().is_some()
     }
 
+    /// Whether the plane runs in exact mode (configured with a tokenizer).
+    #[getter]
+    fn exact(&self) -> bool {
+        self.inner.exact().is_some()
+    }
+
+    /// Exact mode: why chat requests are forwarded to Python (minijinja cannot compile the chat
+    /// template jinja2 accepted), else None.
+    #[getter]
+    fn template_unsupported(&self) -> Option<String> {
+        self.inner.exact().and_then(|e| e.template_unsupported()).map(str::to_string)
+    }
+
+    /// The prompt the hot path routes a raw request body on: (sequence hashes, num_tokens,
+    /// output_tokens), or None when the plane forwards that body to the Python gateway.
+    fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
+        let p = py.detach(|| self.inner.prompt(&value, chat));
+        p.map(|p| prompt_tuple(py, p)).transpose()
+    }
+
+    /// Exact mode: the token ids of a raw request body (the rendered chat template encoded, the
+    /// completions text encoded with special tokens, or the prompt's own ids), or None (forwarded).
+    fn exact_tokens<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Option<Bound<'py, PyArray1<u32>>>> {
+        let exact = self.inner.exact().ok_or_else(|| PyRuntimeError::new_err("this data plane is not in exact mode (tokenizer=None)"))?;
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
+        Ok(py.detach(|| exact.token_ids(&value, chat)).map(|ids| ids.into_pyarray(py)))
+    }
+
+    /// Exact mode: the chat template rendered for a raw request body, or None (forwarded).
+    fn render_chat(&self, py: Python<'_>, body: &[u8]) -> PyResult<Option<String>> {
+        let exact = self.inner.exact().ok_or_else(|| PyRuntimeError::new_err("this data plane is not in exact mode (tokenizer=None)"))?;
+        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
+        Ok(py.detach(|| exact.render_chat(&value)))
+    }
+
     fn __repr__(&self) -> String {
         let url = self.url().unwrap_or_else(|| "not started".into());
         format!("DataPlane({url}, workers={}, running={})", self.inner.workers().len(), self.inner.is_running())
@@ -270,11 +316,12 @@ fn approx_prompt<'py>(py: Python<'py>, body: &[u8], chat: bool, block_size: i64,
     let bs = check_block_size(block_size)?;
     let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
     let Some(p) = py.detach(|| rust_approx_prompt(&value, chat, bs, seed)) else { return Ok(None) };
-    let hashes: Bound<'py, PyArray1<u64>> = p.hashes.into_pyarray(py);
-    Ok(Some(PyTuple::new(
-        py,
-        [hashes.into_any(), p.num_tokens.into_pyobject(py)?.into_any(), p.output_tokens.into_pyobject(py)?.into_any()],
-    )?))
+    prompt_tuple(py, p).map(Some)
+}
+
+fn prompt_tuple(py: Python<'_>, p: ApproxPrompt) -> PyResult<Bound<'_, PyTuple>> {
+    let hashes: Bound<'_, PyArray1<u64>> = p.hashes.into_pyarray(py);
+    PyTuple::new(py, [hashes.into_any(), p.num_tokens.into_pyobject(py)?.into_any(), p.output_tokens.into_pyobject(py)?.into_any()])
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

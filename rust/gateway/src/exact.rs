@@ -1,0 +1,432 @@
+//! Exact-mode prompts: the engines' Hugging Face tokenizer and chat template in Rust, deriving the same
+//! token ids and block hashes as `kvroute.gateway.prompt.ExactPrompter`, so the data plane serves exact mode.
+//!
+//! Anything this cannot reproduce exactly (an invalid body, a template error, a value whose Python
+//! rendering is not reproduced here such as a float or a list printed by the template) yields `None`:
+//! the caller forwards the request to the Python gateway, which answers it (its 400s included).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{Environment, Error as TemplateError, ErrorKind, Output, State, Value as TemplateValue};
+use serde_json::{Map, Value};
+use tokenizers::Tokenizer;
+
+use crate::prompt::{completion_prompt, output_tokens, py_json_str, valid_messages, ApproxPrompt, CompletionPrompt};
+
+/// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
+/// the (by default single-threaded) data plane; shorter ones are cheaper to encode in place than to hand over.
+pub const INLINE_ENCODE_BYTES: usize = 4096;
+
+/// Names the Python prompter passes to the template itself; `chat_template_kwargs` naming one of
+/// them is a TypeError there (a 400), so such a request is forwarded.
+const TEMPLATE_ARGS: [&str; 5] = ["messages", "add_generation_prompt", "tools", "bos_token", "eos_token"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExactError {
+    #[error("tokenizer file not found: {0} (expected a tokenizer.json or a directory holding one)")]
+    NotFound(PathBuf),
+    #[error("cannot load the tokenizer {path}: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
+    #[error("cannot read {path}: {reason}")]
+    Config { path: PathBuf, reason: String },
+}
+
+/// The chat template as the data plane holds it.
+enum ChatTemplate {
+    /// tokenizer_config.json has none: chat requests get Python's 400.
+    Missing,
+    /// minijinja cannot compile what jinja2 accepted: chat requests are forwarded, completions stay here.
+    Unsupported(String),
+    Ready(Box<Environment<'static>>),
+}
+
+/// Exact mode's tokenizer and chat template (`ExactPrompter`), shared by the data plane's tasks.
+pub struct ExactPrompter {
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    bos_token: String,
+    eos_token: String,
+    block_size: usize,
+    seed: u64,
+}
+
+impl ExactPrompter {
+    /// Loads `path` (a tokenizer.json or its directory) and the chat template of the
+    /// tokenizer_config.json beside it, as `ExactPrompter.__init__` does.
+    pub fn load(path: &Path, block_size: usize, seed: u64) -> Result<ExactPrompter, ExactError> {
+        let tok_file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        if !tok_file.is_file() {
+            return Err(ExactError::NotFound(tok_file));
+        }
+        let tokenizer =
+            Tokenizer::from_file(&tok_file).map_err(|e| ExactError::Tokenizer { path: tok_file.clone(), reason: e.to_string() })?;
+        let cfg_file = tok_file.parent().unwrap_or(Path::new(".")).join("tokenizer_config.json");
+        let config: Map<String, Value> = if cfg_file.is_file() {
+            let text =
+                std::fs::read_to_string(&cfg_file).map_err(|e| ExactError::Config { path: cfg_file.clone(), reason: e.to_string() })?;
+            match serde_json::from_str::<Value>(&text) {
+                Ok(Value::Object(m)) => m,
+                Ok(_) => return Err(ExactError::Config { path: cfg_file, reason: "expected a JSON object".into() }),
+                Err(e) => return Err(ExactError::Config { path: cfg_file, reason: e.to_string() }),
+            }
+        } else {
+            Map::new()
+        };
+        let template = match chat_template_source(config.get("chat_template")) {
+            Ok(None) => ChatTemplate::Missing,
+            Ok(Some(src)) => match compile(src) {
+                Ok(env) => ChatTemplate::Ready(Box::new(env)),
+                Err(e) => ChatTemplate::Unsupported(e.to_string()),
+            },
+            Err(reason) => return Err(ExactError::Config { path: cfg_file, reason }),
+        };
+        Ok(ExactPrompter {
+            tokenizer,
+            template,
+            bos_token: special(&config, "bos_token"),
+            eos_token: special(&config, "eos_token"),
+            block_size,
+            seed,
+        })
+    }
+
+    /// Why chat requests are forwarded instead of served here, when they are (the template does not compile in minijinja).
+    pub fn template_unsupported(&self) -> Option<&str> {
+        match &self.template {
+            ChatTemplate::Unsupported(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// `render_chat`: the chat template applied to the request, or `None` (forward to Python).
+    pub fn render_chat(&self, body: &Value) -> Option<String> {
+        let body = body.as_object()?;
+        let msgs = valid_messages(body)?;
+        let ChatTemplate::Ready(env) = &self.template else { return None };
+        let mut ctx = Map::new();
+        // Python: chat_template_kwargs `or {}`, so any falsy value means none; a non-dict is a TypeError.
+        match body.get("chat_template_kwargs") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(kw)) => {
+                for (k, v) in kw {
+                    if TEMPLATE_ARGS.contains(&k.as_str()) {
+                        return None;
+                    }
+                    ctx.insert(k.clone(), v.clone());
+                }
+            }
+            Some(v) if !py_truthy(v) => {}
+            Some(_) => return None,
+        }
+        ctx.insert("messages".into(), Value::Array(msgs.to_vec()));
+        ctx.insert("add_generation_prompt".into(), body.get("add_generation_prompt").cloned().unwrap_or(Value::Bool(true)));
+        ctx.insert("tools".into(), body.get("tools").cloned().unwrap_or(Value::Null));
+        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        let tmpl = env.get_template("chat").ok()?;
+        catch_unwind(AssertUnwindSafe(|| tmpl.render(TemplateValue::from_serialize(&ctx)).ok())).ok().flatten()
+    }
+
+    /// The token ids the engine sees for this request (`ExactPrompter.prompt` before hashing), or `None`.
+    pub fn token_ids(&self, body: &Value, chat: bool) -> Option<Vec<u32>> {
+        match self.text(body, chat)? {
+            PromptText::Ids(ids) => Some(ids),
+            PromptText::Text(text, add_special) => self.encode(&text, add_special),
+        }
+    }
+
+    /// The routed prompt of a parsed request body, or `None` (forward to Python).
+    pub fn prompt(&self, body: &Value, chat: bool) -> Option<ApproxPrompt> {
+        let ids = self.token_ids(body, chat)?;
+        self.hash(body, ids)
+    }
+
+    /// `prompt` off the runtime thread for long texts (see `INLINE_ENCODE_BYTES`).
+    pub async fn prompt_async(self: &Arc<Self>, body: Value, chat: bool) -> Option<ApproxPrompt> {
+        let ids = match self.text(&body, chat)? {
+            PromptText::Ids(ids) => ids,
+            PromptText::Text(text, add_special) if text.len() <= INLINE_ENCODE_BYTES => self.encode(&text, add_special)?,
+            PromptText::Text(text, add_special) => {
+                let me = self.clone();
+                tokio::task::spawn_blocking(move || me.encode(&text, add_special)).await.ok()??
+            }
+        };
+        self.hash(&body, ids)
+    }
+
+    /// The text to encode (and whether to add special tokens: yes for completions, as the engines
+    /// do; no for chat, whose template carries them), or the prompt's own token ids.
+    fn text(&self, body: &Value, chat: bool) -> Option<PromptText> {
+        if chat {
+            return self.render_chat(body).map(|t| PromptText::Text(t, false));
+        }
+        match completion_prompt(body.as_object()?.get("prompt")?)? {
+            CompletionPrompt::Text(s) => Some(PromptText::Text(s.to_string(), true)),
+            CompletionPrompt::Ids(ids) => Some(PromptText::Ids(ids)),
+        }
+    }
+
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Option<Vec<u32>> {
+        let enc = catch_unwind(AssertUnwindSafe(|| self.tokenizer.encode_fast(text, add_special_tokens))).ok()?.ok()?;
+        Some(enc.get_ids().to_vec())
+    }
+
+    fn hash(&self, body: &Value, ids: Vec<u32>) -> Option<ApproxPrompt> {
+        if ids.is_empty() {
+            return None; // Python: 400 "empty prompt"
+        }
+        let output_tokens = output_tokens(body.as_object()?)?;
+        let hashes = kvroute_core::hash::sequence_hashes(&ids, self.block_size, self.seed, None);
+        Some(ApproxPrompt { hashes, num_tokens: ids.len() as u64, output_tokens })
+    }
+}
+
+enum PromptText {
+    Text(String, bool),
+    Ids(Vec<u32>),
+}
+
+/// `ExactPrompter._special`: a string, or the `content` of an AddedToken object; else "".
+fn special(cfg: &Map<String, Value>, key: &str) -> String {
+    let v = match cfg.get(key) {
+        Some(Value::Object(o)) => o.get("content"),
+        other => other,
+    };
+    v.and_then(Value::as_str).unwrap_or("").to_string()
+}
+
+/// `_compile_template`'s choice: a string, or the "default" (else first) of named templates.
+fn chat_template_source(t: Option<&Value>) -> Result<Option<String>, String> {
+    let t = match t {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(items)) => {
+            // Python builds a dict name -> template: later duplicates win, order of first appearance kept.
+            let mut named: Vec<(Value, Value)> = Vec::new();
+            for it in items.iter().filter_map(Value::as_object) {
+                let name = it.get("name").cloned().unwrap_or(Value::Null);
+                let tmpl = it.get("template").cloned().unwrap_or(Value::Null);
+                match named.iter_mut().find(|(n, _)| *n == name) {
+                    Some(slot) => slot.1 = tmpl,
+                    None => named.push((name, tmpl)),
+                }
+            }
+            let default = named.iter().find(|(n, _)| n.as_str() == Some("default")).map(|(_, t)| t.clone());
+            match default.filter(py_truthy) {
+                Some(t) => t,
+                None => named.into_iter().next().map(|(_, t)| t).unwrap_or(Value::Null),
+            }
+        }
+        Some(other) => other.clone(),
+    };
+    match t {
+        Value::String(s) => Ok(Some(s)),
+        _ => Err("chat_template must be a string or a list of {name, template}".into()),
+    }
+}
+
+/// A minijinja environment configured like the Python prompter's jinja2 sandbox (trim_blocks,
+/// lstrip_blocks, `raise_exception`), with Python's string methods and Python's way of printing values.
+fn compile(source: String) -> Result<Environment<'static>, TemplateError> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_keep_trailing_newline(false);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_formatter(py_format);
+    env.add_function("raise_exception", |msg: String| -> Result<TemplateValue, TemplateError> {
+        Err(TemplateError::new(ErrorKind::InvalidOperation, format!("chat template: {msg}")))
+    });
+    env.add_filter("tojson", tojson);
+    env.add_template_owned("chat", source)?;
+    Ok(env)
+}
+
+/// Prints a value as jinja2 does (`str()` of the Python object): None as "None", booleans as
+/// "True"/"False". Floats, lists and dicts are refused (Python's repr is not reproduced): the
+/// render fails and Python renders that request.
+fn py_format(out: &mut Output, _state: &State, v: &TemplateValue) -> Result<(), TemplateError> {
+    let text = match v.kind() {
+        ValueKind::Undefined => return Ok(()),
+        ValueKind::None => "None",
+        ValueKind::Bool => {
+            if v.is_true() {
+                "True"
+            } else {
+                "False"
+            }
+        }
+        ValueKind::Number if v.is_integer() => return write_out(out, &v.to_string()),
+        ValueKind::String => return write_out(out, v.as_str().unwrap_or_default()),
+        kind => return Err(TemplateError::new(ErrorKind::InvalidOperation, format!("printing a {kind} is left to Python"))),
+    };
+    write_out(out, text)
+}
+
+fn write_out(out: &mut Output, s: &str) -> Result<(), TemplateError> {
+    out.write_str(s).map_err(|e| TemplateError::new(ErrorKind::WriteFailure, e.to_string()))
+}
+
+/// jinja2's `tojson`: `json.dumps(v, sort_keys=True[, indent=n])` with `<`, `>`, `&`, `'` escaped.
+fn tojson(value: &TemplateValue, indent: Option<TemplateValue>, kwargs: Kwargs) -> Result<TemplateValue, TemplateError> {
+    let kw_indent: Option<TemplateValue> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent.or(kw_indent) {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) if v.is_integer() => Some(usize::try_from(v.as_i64().unwrap_or(-1)).unwrap_or(0)),
+        Some(_) => return Err(TemplateError::new(ErrorKind::InvalidOperation, "tojson: indent must be an integer")),
+    };
+    let mut out = String::new();
+    dumps(value, indent, 0, &mut out)?;
+    let escaped = out.replace('<', "\\u003c").replace('>', "\\u003e").replace('&', "\\u0026").replace('\'', "\\u0027");
+    Ok(TemplateValue::from_safe_string(escaped))
+}
+
+/// Python's `json.dumps(sort_keys=True)` (ASCII output) over a template value; floats and
+/// non-JSON values are refused.
+fn dumps(v: &TemplateValue, indent: Option<usize>, depth: usize, out: &mut String) -> Result<(), TemplateError> {
+    let refuse = |what: &str| Err(TemplateError::new(ErrorKind::InvalidOperation, format!("tojson of {what} is left to Python")));
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    match v.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+        ValueKind::String => py_json_str(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq => {
+            let items: Vec<TemplateValue> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                    if indent.is_none() {
+                        out.push(' ');
+                    }
+                }
+                newline(out, depth + 1);
+                dumps(item, indent, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut entries: Vec<(String, TemplateValue)> = Vec::new();
+            for k in v.try_iter()? {
+                let Some(key) = k.as_str() else { return refuse("a map with non-string keys") };
+                entries.push((key.to_string(), v.get_item(&k)?));
+            }
+            if entries.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            out.push('{');
+            for (i, (k, item)) in entries.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                    if indent.is_none() {
+                        out.push(' ');
+                    }
+                }
+                newline(out, depth + 1);
+                py_json_str(k, out);
+                out.push_str(": ");
+                dumps(item, indent, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        kind => return refuse(&kind.to_string()),
+    }
+    Ok(())
+}
+
+/// Python's truthiness of a JSON value.
+fn py_truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(src: &str, ctx: Value) -> Result<String, String> {
+        let env = compile(src.to_string()).map_err(|e| e.to_string())?;
+        let t = env.get_template("chat").map_err(|e| e.to_string())?;
+        t.render(TemplateValue::from_serialize(&ctx)).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn values_print_as_python_does() {
+        let ctx = json!({"n": null, "t": true, "f": false, "i": -3, "s": "x"});
+        assert_eq!(render("{{ n }}|{{ t }}|{{ f }}|{{ i }}|{{ s }}|{{ missing }}", ctx).unwrap(), "None|True|False|-3|x|");
+        for refused in ["{{ [1] }}", "{{ {'a': 1} }}", "{{ 0.5 }}"] {
+            assert!(render(refused, json!({})).is_err(), "{refused}");
+        }
+    }
+
+    #[test]
+    fn tojson_matches_jinja2() {
+        let ctx = json!({"v": {"b": [1, "<a&b>'"], "a": null, "é": true}, "e": [], "m": {}});
+        assert_eq!(
+            render("{{ v|tojson }}", ctx.clone()).unwrap(),
+            r#"{"a": null, "b": [1, "\u003ca\u0026b\u003e\u0027"], "\u00e9": true}"#
+        );
+        assert_eq!(
+            render("{{ v|tojson(indent=2) }}", ctx.clone()).unwrap(),
+            "{\n  \"a\": null,\n  \"b\": [\n    1,\n    \"\\u003ca\\u0026b\\u003e\\u0027\"\n  ],\n  \"\\u00e9\": true\n}"
+        );
+        assert_eq!(render("{{ e|tojson(2) }}{{ m|tojson }}", ctx).unwrap(), "[]{}");
+        assert!(render("{{ 1.5|tojson }}", json!({})).is_err());
+    }
+
+    #[test]
+    fn trim_lstrip_python_methods_and_raise_exception() {
+        // Expected outputs are jinja2's (trim_blocks=True, lstrip_blocks=True).
+        let ctx = json!({"messages": [{"content": " a "}, {"content": "b\n"}]});
+        let src = "{% for m in messages %}\n  {{ m.content.strip() }}{% if not loop.last %},{% endif %}\n{% endfor %}";
+        assert_eq!(render(src, ctx.clone()).unwrap(), "  a,  b");
+        let src = "{% for m in messages %}\n  {% if m %}{{ m.content.strip() }}{% endif %}\n{% endfor %}";
+        assert_eq!(render(src, ctx).unwrap(), "ab");
+        let err = render("{{ raise_exception('no system role') }}", json!({})).unwrap_err();
+        assert!(err.contains("chat template: no system role"), "{err}");
+        assert_eq!(render("{% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}", json!({})).unwrap(), "1");
+    }
+
+    #[test]
+    fn template_choice_follows_python() {
+        assert_eq!(chat_template_source(None).unwrap(), None);
+        assert_eq!(chat_template_source(Some(&json!("t"))).unwrap().as_deref(), Some("t"));
+        let named = json!([{"name": "tool_use", "template": "a"}, {"name": "default", "template": "b"}]);
+        assert_eq!(chat_template_source(Some(&named)).unwrap().as_deref(), Some("b"));
+        let no_default = json!([{"name": "x", "template": "a"}, {"name": "default", "template": ""}]);
+        assert_eq!(chat_template_source(Some(&no_default)).unwrap().as_deref(), Some("a"));
+        assert!(chat_template_source(Some(&json!(3))).is_err());
+        assert!(chat_template_source(Some(&json!([]))).is_err(), "Python refuses a list without templates");
+    }
+
+    #[test]
+    fn missing_tokenizer_is_a_clear_error() {
+        let err = ExactPrompter::load(Path::new("/nonexistent/dir/tokenizer.json"), 16, 1).err().unwrap();
+        assert!(err.to_string().contains("tokenizer file not found"), "{err}");
+    }
+}
