@@ -4,8 +4,10 @@ approximate cache, what is forwarded, start/stop and bad configuration."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,7 +208,7 @@ def test_bad_data_plane_configuration_is_refused() -> None:
     np.testing.assert_array_equal(approx_prompt(b'{"prompt": [1, 2, 3, 4]}', False, 2)[0], kvroute.block_hashes([1, 2, 3, 4], 2))  # type: ignore[index]
 
 
-def test_kvroute_serve_chooses_its_data_plane() -> None:
+def test_kvroute_serve_chooses_its_data_plane(tmp_path: Path) -> None:
     import argparse
 
     from kvroute.gateway.cli import add_serve_parser, build_gateway, use_data_plane
@@ -219,6 +221,13 @@ def test_kvroute_serve_chooses_its_data_plane() -> None:
         return use_data_plane(a, build_gateway(a))
 
     assert rust("--worker", "http://h:1")  # unified, approximate: the Rust plane serves the hot path
+    if importlib.util.find_spec("tokenizers") and importlib.util.find_spec("jinja2"):
+        from exact_tokenizers import build_word_level
+
+        tok = build_word_level(tmp_path)
+        assert rust("--worker", "http://h:1", "--tokenizer", tok)  # exact mode: served by the Rust plane too
+        assert not rust("--prefill", "http://p:1", "--decode", "http://d:1", "--tokenizer", tok)
+        assert not rust("--worker", "http://h:1", "--tokenizer", tok, "--data-plane", "python")
     assert not rust("--worker", "https://h:1")  # it speaks plain http only
     assert rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: served on the Rust plane too
     assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--pd-convention", "sglang")

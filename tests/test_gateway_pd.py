@@ -318,6 +318,14 @@ def _build_tokenizer(tmp_path) -> str:  # type: ignore[no-untyped-def]
     return str(tmp_path)
 
 
+def assert_served_by_data_plane(c: Cluster) -> None:
+    """Behind the Rust data plane, exact-mode completions are served on its hot path, not forwarded."""
+    dp = c.gw.data_plane
+    if dp is not None:
+        m = dp.metrics()
+        assert dp.exact and m["forwarded"] == 0 and m["routing_count"] >= 1, m
+
+
 def test_exact_mode_hashes_what_the_engine_sees(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = _build_tokenizer(tmp_path)
     ep = ExactPrompter(path, block_size=4, seed=1337)
@@ -338,6 +346,7 @@ def test_exact_mode_hashes_what_the_engine_sees(tmp_path) -> None:  # type: igno
             status, headers, data = await c.post("/v1/chat/completions", CHAT)
             assert status == 200 and headers["X-Kvroute-Worker"] == target.url, data
             assert len(c.router.index) == len(p.hashes), "insert_decisions=False must leave the index to KV events"
+            assert_served_by_data_plane(c)
             assert_no_leak(c)
 
     run(scenario())
@@ -366,6 +375,7 @@ def test_kv_events_feed_the_index_in_exact_mode(tmp_path) -> None:  # type: igno
             status, headers, data = await c.post("/v1/chat/completions", CHAT)
             assert status == 200 and headers["X-Kvroute-Worker"] == c.mocks[1].url, data
             assert c.gw.approx is None and len(c.router.index) == len(ids) // 4
+            assert_served_by_data_plane(c)
             assert_no_leak(c)
 
     try:

@@ -1,5 +1,6 @@
 """Type stubs for kvroute's Rust extension module (rust/py)."""
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -311,9 +312,9 @@ class PrefillEngines:
     def clear(self, engine: int, now: float) -> int: ...
 
 class DataPlane:
-    """The gateway's Rust front door: serves approximate-mode completions on ``router`` (unified
-    workers and PD pairs in ``pd_convention``) and forwards every other request to the Python gateway
-    at ``backend_host:backend_port``."""
+    """The gateway's Rust front door: serves completions on ``router`` (unified workers and PD pairs
+    in ``pd_convention``; exact mode with ``tokenizer``, else approximate mode) and forwards every other
+    request to the Python gateway at ``backend_host:backend_port``."""
 
     def __init__(
         self,
@@ -335,6 +336,7 @@ class DataPlane:
         approx_ttl: float | None = 120.0,
         threads: int = 1,
         on_unhealthy: Callable[[int, str], None] | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
     ) -> None: ...
     def start(self) -> tuple[str, int]: ...
     def stop(self) -> None: ...
@@ -360,6 +362,13 @@ class DataPlane:
     def approx_len(self) -> int: ...
     @property
     def has_approx(self) -> bool: ...
+    @property
+    def exact(self) -> bool: ...
+    @property
+    def template_unsupported(self) -> str | None: ...
+    def prompt(self, body: bytes, chat: bool) -> tuple[npt.NDArray[np.uint64], int, int | None] | None: ...
+    def exact_tokens(self, body: bytes, chat: bool) -> npt.NDArray[np.uint32] | None: ...
+    def render_chat(self, body: bytes) -> str | None: ...
 
 def approx_prompt(
     body: bytes, chat: bool, block_size: int = 64, *, seed: int = 1337

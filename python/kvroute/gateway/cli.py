@@ -100,8 +100,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--data-plane",
         choices=("auto", "rust", "python"),
         default="auto",
-        help="rust: a Rust front door serves approximate-mode completions (unified and PD) and forwards the rest to the Python "
-        "gateway; python: the Python gateway alone; auto (default): rust when it serves the hot path (no --tokenizer, http:// "
+        help="rust: a Rust front door serves completions (unified and PD, exact or approximate mode) and forwards the rest to "
+        "the Python gateway; python: the Python gateway alone; auto (default): rust when it serves the hot path (http:// "
         "workers), else python",
     )
     s.add_argument("--data-plane-threads", type=int, default=1, help="runtime threads of the Rust data plane (default 1)")
@@ -222,10 +222,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
-    """--data-plane auto: the Rust plane only where it serves the hot path itself (approximate mode,
-    unified or PD, http:// workers). In exact (tokenizer) mode every completion would only be
-    forwarded to Python: one more loopback hop for no gain, so auto keeps the Python gateway alone
-    there (--data-plane rust still fronts it)."""
+    """--data-plane auto: the Rust plane only where it serves the hot path itself (unified or PD,
+    exact or approximate mode, http:// workers); else the Python gateway alone (--data-plane rust
+    still fronts it)."""
     if a.data_plane == "auto":
         from kvroute.gateway.dataplane import can_front, hot_path_applies
 

@@ -1,11 +1,12 @@
 """Runs the Python gateway behind kvroute's Rust data plane (``kvroute._core.DataPlane``): the Rust
-front door serves approximate-mode completions itself (unified and PD) and forwards everything else here.
+front door serves completions itself (unified and PD, exact or approximate mode) and forwards everything else here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -15,19 +16,20 @@ import numpy.typing as npt
 
 from kvroute._core import DataPlane
 from kvroute.gateway.app import Gateway
-from kvroute.gateway.prompt import ApproxPrompter
+from kvroute.gateway.prompt import ApproxPrompter, ExactPrompter
 
 __all__ = ["CLIENT_HEADER", "PlaneApprox", "can_front", "hot_path_applies", "make_data_plane", "serve_with_data_plane"]
 
 # The data plane tells the Python gateway who the client is in this header (it replaces any a client sent).
 CLIENT_HEADER = "X-Kvroute-Client"
 
+log = logging.getLogger("kvroute.gateway")
+
 
 def hot_path_applies(gw: Gateway) -> bool:
-    """Whether the Rust plane can serve completions itself: approximate prompts (no tokenizer), with
-    unified workers or PD pairs in either convention. Otherwise it only forwards (tokenization stays
-    in Python)."""
-    return isinstance(gw.prompter, ApproxPrompter)
+    """Whether the Rust plane can serve completions itself: approximate or exact prompts (it loads
+    the same tokenizer), with unified workers or PD pairs in either convention."""
+    return isinstance(gw.prompter, (ApproxPrompter, ExactPrompter))
 
 
 def can_front(gw: Gateway) -> bool:
@@ -69,8 +71,7 @@ def make_data_plane(gw: Gateway, backend_port: int, host: str, port: int, *, hot
         with contextlib.suppress(RuntimeError):  # the loop already closed: nothing left to probe
             loop.call_soon_threadsafe(gw.plane_marked_unhealthy, worker, reason)
 
-    dp = DataPlane(
-        gw.router,
+    options: dict[str, Any] = dict(
         backend_port=backend_port,
         host=host,
         port=port,
@@ -87,6 +88,19 @@ def make_data_plane(gw: Gateway, backend_port: int, host: str, port: int, *, hot
         threads=threads,
         on_unhealthy=on_unhealthy,
     )
+    tokenizer = cfg.tokenizer if isinstance(gw.prompter, ExactPrompter) else None
+    try:
+        dp = DataPlane(gw.router, tokenizer=tokenizer, **options)
+    except ValueError as e:
+        if tokenizer is None:
+            raise
+        # Python loaded this tokenizer but the Rust one cannot: exact mode stays correct in Python alone.
+        log.warning("the data plane cannot load the tokenizer (%s); exact-mode completions are forwarded to the Python gateway", e)
+        dp = DataPlane(gw.router, **{**options, "hot_path": False})
+    if dp.template_unsupported is not None:
+        log.warning(
+            "the data plane cannot compile the chat template (%s); chat completions are forwarded to Python", dp.template_unsupported
+        )
     gw.attach_data_plane(dp)
     return dp
 

@@ -234,39 +234,76 @@ fn compile(source: String) -> Result<Environment<'static>, TemplateError> {
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_keep_trailing_newline(false);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_unknown_method_callback(py_method);
     env.set_formatter(py_format);
     env.add_function("raise_exception", |msg: String| -> Result<TemplateValue, TemplateError> {
         Err(TemplateError::new(ErrorKind::InvalidOperation, format!("chat template: {msg}")))
     });
     env.add_filter("tojson", tojson);
+    // jinja2's trim and string filters call str() first: None is "None" there.
+    env.add_filter("trim", |v: &TemplateValue, chars: Option<&str>| py_str(v).map(|s| py_strip(&s, chars, true, true).to_string()));
+    env.add_filter("string", |v: &TemplateValue| py_str(v).map(TemplateValue::from));
     env.add_template_owned("chat", source)?;
     Ok(env)
+}
+
+/// Python's whitespace (`str.isspace`): Unicode White_Space plus the separators U+001C..U+001F.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// `str.strip` / `lstrip` / `rstrip` with Python's whitespace, or the given characters.
+fn py_strip<'a>(s: &'a str, chars: Option<&str>, left: bool, right: bool) -> &'a str {
+    let strip = |c: char| chars.map_or_else(|| py_space(c), |cs| cs.contains(c));
+    let s = if left { s.trim_start_matches(strip) } else { s };
+    if right {
+        s.trim_end_matches(strip)
+    } else {
+        s
+    }
+}
+
+/// Python's string methods: whitespace-sensitive ones with Python's whitespace, the rest from
+/// minijinja-contrib's pycompat.
+fn py_method(state: &State, value: &TemplateValue, method: &str, args: &[TemplateValue]) -> Result<TemplateValue, TemplateError> {
+    if let (Some(s), "strip" | "lstrip" | "rstrip" | "split" | "isspace") = (value.as_str(), method) {
+        let chars = match args {
+            [] => None,
+            [a] if a.is_none() => None,
+            [a] if method != "split" && method != "isspace" => {
+                Some(a.as_str().ok_or_else(|| TemplateError::from(ErrorKind::InvalidOperation))?)
+            }
+            _ => return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+        };
+        return Ok(match method {
+            "strip" => TemplateValue::from(py_strip(s, chars, true, true)),
+            "lstrip" => TemplateValue::from(py_strip(s, chars, true, false)),
+            "rstrip" => TemplateValue::from(py_strip(s, chars, false, true)),
+            "split" => TemplateValue::from(s.split(py_space).filter(|w| !w.is_empty()).map(TemplateValue::from).collect::<Vec<_>>()),
+            _ => TemplateValue::from(!s.is_empty() && s.chars().all(py_space)),
+        });
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
 /// Prints a value as jinja2 does (`str()` of the Python object): None as "None", booleans as
 /// "True"/"False". Floats, lists and dicts are refused (Python's repr is not reproduced): the
 /// render fails and Python renders that request.
 fn py_format(out: &mut Output, _state: &State, v: &TemplateValue) -> Result<(), TemplateError> {
-    let text = match v.kind() {
-        ValueKind::Undefined => return Ok(()),
-        ValueKind::None => "None",
-        ValueKind::Bool => {
-            if v.is_true() {
-                "True"
-            } else {
-                "False"
-            }
-        }
-        ValueKind::Number if v.is_integer() => return write_out(out, &v.to_string()),
-        ValueKind::String => return write_out(out, v.as_str().unwrap_or_default()),
-        kind => return Err(TemplateError::new(ErrorKind::InvalidOperation, format!("printing a {kind} is left to Python"))),
-    };
-    write_out(out, text)
+    let text = py_str(v)?;
+    out.write_str(&text).map_err(|e| TemplateError::new(ErrorKind::WriteFailure, e.to_string()))
 }
 
-fn write_out(out: &mut Output, s: &str) -> Result<(), TemplateError> {
-    out.write_str(s).map_err(|e| TemplateError::new(ErrorKind::WriteFailure, e.to_string()))
+/// Python's `str()` of a template value, for the kinds whose rendering is reproduced here.
+fn py_str(v: &TemplateValue) -> Result<String, TemplateError> {
+    Ok(match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::None => "None".into(),
+        ValueKind::Bool => (if v.is_true() { "True" } else { "False" }).into(),
+        ValueKind::Number if v.is_integer() => v.to_string(),
+        ValueKind::String => v.as_str().unwrap_or_default().to_string(),
+        kind => return Err(TemplateError::new(ErrorKind::InvalidOperation, format!("printing a {kind} is left to Python"))),
+    })
 }
 
 /// jinja2's `tojson`: `json.dumps(v, sort_keys=True[, indent=n])` with `<`, `>`, `&`, `'` escaped.
@@ -378,7 +415,8 @@ mod tests {
     #[test]
     fn values_print_as_python_does() {
         let ctx = json!({"n": null, "t": true, "f": false, "i": -3, "s": "x"});
-        assert_eq!(render("{{ n }}|{{ t }}|{{ f }}|{{ i }}|{{ s }}|{{ missing }}", ctx).unwrap(), "None|True|False|-3|x|");
+        assert_eq!(render("{{ n }}|{{ t }}|{{ f }}|{{ i }}|{{ s }}|{{ missing }}", ctx.clone()).unwrap(), "None|True|False|-3|x|");
+        assert_eq!(render("{{ n|trim }}|{{ t|string }}|{{ i|string }}", ctx).unwrap(), "None|True|-3");
         for refused in ["{{ [1] }}", "{{ {'a': 1} }}", "{{ 0.5 }}"] {
             assert!(render(refused, json!({})).is_err(), "{refused}");
         }
@@ -407,6 +445,11 @@ mod tests {
         assert_eq!(render(src, ctx.clone()).unwrap(), "  a,  b");
         let src = "{% for m in messages %}\n  {% if m %}{{ m.content.strip() }}{% endif %}\n{% endfor %}";
         assert_eq!(render(src, ctx).unwrap(), "ab");
+        let ctx = json!({"s": "\u{1f} a\u{a0}\u{1c}"});
+        assert_eq!(
+            render("[{{ s.strip() }}|{{ s.lstrip() }}|{{ s|trim }}|{{ s.split()|length }}|{{ 'xax'.strip('x') }}]", ctx).unwrap(),
+            "[a|a\u{a0}\u{1c}|a|1|a]"
+        );
         let err = render("{{ raise_exception('no system role') }}", json!({})).unwrap_err();
         assert!(err.contains("chat template: no system role"), "{err}");
         assert_eq!(render("{% for i in [1, 2, 3] %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}", json!({})).unwrap(), "1");

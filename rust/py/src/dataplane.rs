@@ -116,7 +116,9 @@ impl PyDataPlane {
                 })
             }) as kvroute_gateway::UnhealthyHook
         });
-        let inner = py.detach(|| DataPlane::new(router.get().inner.clone(), cfg, hook)).map_err(to_py)?;
+        let router = router.get().inner.clone();
+        // Loading a tokenizer reads and parses files: without the GIL.
+        let inner = py.detach(|| DataPlane::new(router, cfg, hook)).map_err(to_py)?;
         Ok(PyDataPlane { inner })
     }
 
