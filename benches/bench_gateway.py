@@ -1,7 +1,10 @@
 """Routing overhead of ``kvroute serve`` (latency through the gateway minus direct to the engine)
 at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the same mocks in the same run.
 
-    python benches/bench_gateway.py [--rate 200] [--requests 2000] [--workers 8] [--prompt-tokens 4096] [--pd vllm|sglang]
+    python benches/bench_gateway.py [--rate 200] [--requests 2000] [--workers 8] [--prompt-tokens 4096] [--pd vllm|sglang] [--exact]
+
+``--exact`` runs both kvroute planes in exact mode (``--tokenizer``: the byte-level BPE and ChatML template
+the tests build, tests/exact_tokenizers.py) and sends every other request as a chat request.
 
 Processes: one mock-engine process (8 engines), ``kvroute serve`` twice (``--data-plane rust``: the Rust
 front door; ``--data-plane python``: the Python gateway alone), sglang-router (when installed), and this
@@ -25,8 +28,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -83,6 +88,30 @@ def workload(n: int, prompt_tokens: int, seed: int) -> list[dict[str, object]]:
     return out
 
 
+def as_chat(bodies: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Every other request as a chat request: the shared head as the system message, the tail as the user's."""
+    out = []
+    for i, b in enumerate(bodies):
+        text = str(b["prompt"])
+        if i % 2:
+            cut = len(text) * 3 // 4
+            msgs = [{"role": "system", "content": text[:cut]}, {"role": "user", "content": text[cut:]}]
+            out.append({"model": "mock", "messages": msgs, "max_tokens": 8})
+        else:
+            out.append(b)
+    return out
+
+
+def build_tokenizer(root: str, prompt_tokens: int) -> str:
+    """The tests' byte-level BPE tokenizer with the ChatML template (no downloads), its vocabulary
+    (4,000) trained on text like the workload's so a prompt gets a realistic number of tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from exact_tokenizers import CHATML, build_byte_level_bpe
+
+    sample = [str(b["prompt"]) for b in workload(200, prompt_tokens, seed=1)]
+    return build_byte_level_bpe(Path(root) / "tokenizer", CHATML, vocab_size=4000, corpus=sample)
+
+
 # One request of the load: (session, request number, body) -> answered 200.
 Send = Callable[[aiohttp.ClientSession, int, dict[str, object]], Awaitable[bool]]
 
@@ -100,7 +129,8 @@ def via(urls: list[str]) -> Send:
     """Requests to one endpoint (a gateway), or round robin over engines."""
 
     async def send(session: aiohttp.ClientSession, i: int, body: dict[str, object]) -> bool:
-        async with session.post(urls[i % len(urls)] + "/v1/completions", json=body) as r:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with session.post(urls[i % len(urls)] + path, json=body) as r:
             await r.read()
             return r.status == 200
 
@@ -164,6 +194,8 @@ async def drive(session: aiohttp.ClientSession, send: Send, bodies: list[dict[st
 async def main(a: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tmp = tempfile.TemporaryDirectory(prefix="kvroute-bench-")
+    tokenizer = build_tokenizer(tmp.name, a.prompt_tokens) if a.exact else None
     try:
         n_prefill = a.workers // 2
         engines = ["--prefill", str(n_prefill), "--decode", str(a.workers - n_prefill)] if a.pd else ["--workers", str(a.workers)]
@@ -186,6 +218,8 @@ async def main(a: argparse.Namespace) -> int:
             kv_port = free_port()
             cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
             cmd += ["--data-plane", plane]
+            if tokenizer is not None:
+                cmd += ["--tokenizer", tokenizer]
             if a.pd:
                 cmd += ["--pd-convention", a.pd]
                 for u in prefill:
@@ -228,6 +262,8 @@ async def main(a: argparse.Namespace) -> int:
 
         per_round = max(1, a.requests // a.rounds)
         bodies = workload(per_round * a.rounds + a.warmup, a.prompt_tokens, seed=0)
+        if a.exact and not a.pd:  # (the direct PD client speaks completions only)
+            bodies = as_chat(bodies)
         lat: dict[str, list[float]] = {k: [] for k in targets}
         fails: dict[str, int] = dict.fromkeys(targets, 0)
         cpu: dict[str, float] = dict.fromkeys(targets, 0.0)
@@ -249,7 +285,15 @@ async def main(a: argparse.Namespace) -> int:
         engines_desc = (
             f"{n_prefill} prefill + {a.workers - n_prefill} decode mock engines ({a.pd} PD)" if a.pd else f"{a.workers} mock engines"
         )
-        print(f"{engines_desc}, {a.prompt_tokens}-token prompts, {a.rate:g} req/s open loop, {per_round * a.rounds} requests per target")
+        mode = (
+            "approximate mode"
+            if not a.exact
+            else "exact mode (BPE tokenizer + ChatML template" + ("; half chat requests)" if not a.pd else ")")
+        )
+        print(
+            f"{engines_desc}, {a.prompt_tokens}-token prompts, {a.rate:g} req/s open loop, {per_round * a.rounds} requests per target, "
+            f"kvroute in {mode}"
+        )
         if a.pd:
             print(
                 "direct = this client doing the handshake itself, one more Python client request per request: overheads against it "
@@ -290,6 +334,7 @@ async def main(a: argparse.Namespace) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        tmp.cleanup()
 
 
 if __name__ == "__main__":
@@ -304,6 +349,7 @@ if __name__ == "__main__":
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
     ap.add_argument("--pd", choices=("vllm", "sglang"), default=None, help="PD mode in this handshake (half prefill, half decode engines)")
+    ap.add_argument("--exact", action="store_true", help="kvroute in exact mode (a tokenizer built here; half chat requests)")
     args = ap.parse_args()
     try:
         import uvloop

@@ -5,6 +5,7 @@ themselves, no downloads: a word-level one and a byte-level BPE trained on a fix
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,9 @@ def build_word_level(path: Path, template: Any = SIMPLE) -> str:
     return str(path)
 
 
-def build_byte_level_bpe(path: Path, template: Any = CHATML, vocab_size: int = 400) -> str:
+def build_byte_level_bpe(path: Path, template: Any = CHATML, vocab_size: int = 400, corpus: Sequence[str] = ()) -> str:
     """A byte-level BPE (GPT-2 style pre-tokenizer regex, NFC normalizer, special tokens, a BOS
-    post-processor so completions prompts get one) trained on a fixed corpus: deterministic."""
+    post-processor so completions prompts get one) trained on a fixed corpus (plus ``corpus``): deterministic."""
     import tokenizers
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -85,12 +86,12 @@ def build_byte_level_bpe(path: Path, template: Any = CHATML, vocab_size: int = 4
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [
+    texts = [*corpus] + [
         " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) + f" {i} {i * 31 % 97}, é ü 日本 😀 \n\t<tool_call>"
         for i in range(200)
     ]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
