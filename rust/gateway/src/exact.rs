@@ -329,7 +329,7 @@ fn dumps(v: &TemplateValue, indent: Option<usize>, depth: usize, out: &mut Strin
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = indent {
             out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
+            out.push_str(&" ".repeat(n * depth));
         }
     };
     match v.kind() {
