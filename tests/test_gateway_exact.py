@@ -221,7 +221,7 @@ def test_exact_mode_on_the_hot_path_answers_as_python_does(tmp_path: Path) -> No
             for body in [CHATS[0], {"messages": [{"role": "user", "content": "the sky " * 40}], "stream": True}]:
                 status, _, data = await c.post("/v1/chat/completions", body)
                 assert status == 200, data
-            for body in [{"prompt": "once upon a time " * 30, "max_tokens": 3}, {"prompt": list(range(40))}]:
+            for body in [{"prompt": "once upon a time " * 300, "max_tokens": 3}, {"prompt": list(range(40))}]:  # 5 KB: the blocking pool
                 status, _, data = await c.post("/v1/completions", body)
                 assert status == 200, data
             if dp is not None:

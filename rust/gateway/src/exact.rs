@@ -467,6 +467,78 @@ mod tests {
         assert!(chat_template_source(Some(&json!([]))).is_err(), "Python refuses a list without templates");
     }
 
+    /// A word-level tokenizer.json (whitespace split, `<s>` added to completions prompts) and a
+    /// tokenizer_config.json with `template`, in a fresh directory.
+    fn word_level(name: &str, template: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvroute-exact-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let words = ["<s>", "</s>", "[UNK]", "<|user|>", "the", "sky", "is", "blue"];
+        let vocab: Map<String, Value> = words.iter().enumerate().map(|(i, w)| (w.to_string(), json!(i))).collect();
+        let bos = json!({"SpecialToken": {"id": "<s>", "type_id": 0}});
+        let seq = |id: &str| json!({"Sequence": {"id": id, "type_id": 0}});
+        let tok = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": {"type": "TemplateProcessing", "single": [bos, seq("A")], "pair": [bos, seq("A"), seq("B")],
+                               "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = json!({"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn prompts_tokenize_render_and_hash() {
+        let dir = word_level("prompts", "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}");
+        let ex = ExactPrompter::load(&dir, 2, 7).unwrap();
+        // Completions text: special tokens added (the engines do); chat: the template carries them.
+        assert_eq!(ex.token_ids(&json!({"prompt": "the sky is blue"}), false), Some(vec![0, 4, 5, 6, 7]));
+        let chat = json!({"messages": [{"role": "user", "content": "the sky"}], "max_tokens": 3});
+        assert_eq!(ex.render_chat(&chat).as_deref(), Some("<s><|user|> the sky "));
+        assert_eq!(ex.token_ids(&chat, true), Some(vec![2, 4, 5]), "<s><|user|> is one unknown word");
+        let p = ex.prompt(&chat, true).unwrap();
+        assert_eq!((p.num_tokens, p.output_tokens), (3, Some(3)));
+        assert_eq!(p.hashes, kvroute_core::hash::sequence_hashes(&[2, 4, 5], 2, 7, None));
+        assert_eq!(ex.token_ids(&json!({"prompt": [[9, 8, 7]]}), false), Some(vec![9, 8, 7]), "token ids are used as they are");
+        for forwarded in [
+            json!({"prompt": [1, -1]}),
+            json!({"prompt": "x", "max_tokens": -1}),
+            json!({"messages": []}),
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "printed list"}]}]}),
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}}),
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}),
+        ] {
+            let chat = forwarded.get("messages").is_some();
+            assert_eq!(ex.prompt(&forwarded, chat), None, "{forwarded}");
+        }
+        // Long texts are encoded on the blocking pool: the same prompt.
+        let long = json!({"prompt": "the sky is blue ".repeat(INLINE_ENCODE_BYTES / 8)});
+        let ex = Arc::new(ex);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let (a, b) = rt.block_on(async { (ex.prompt_async(long.clone(), false).await, ex.prompt_async(chat_body(), true).await) });
+        assert_eq!(a, ex.prompt(&long, false));
+        assert!(a.is_some_and(|p| p.num_tokens as usize == 1 + INLINE_ENCODE_BYTES / 2));
+        assert_eq!(b, ex.prompt(&chat_body(), true));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn chat_body() -> Value {
+        json!({"messages": [{"role": "user", "content": "the sky"}]})
+    }
+
+    #[test]
+    fn unsupported_template_forwards_chat_only() {
+        let dir = word_level("unsupported", "{% for m in messages %}{{ m.content | no_such_filter_anywhere(1) }}{% endfor %}{% endfor %}");
+        let ex = ExactPrompter::load(&dir, 2, 7).unwrap();
+        assert!(ex.template_unsupported().is_some());
+        assert_eq!(ex.prompt(&chat_body(), true), None);
+        assert!(ex.prompt(&json!({"prompt": "the sky"}), false).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn missing_tokenizer_is_a_clear_error() {
         let err = ExactPrompter::load(Path::new("/nonexistent/dir/tokenizer.json"), 16, 1).err().unwrap();
