@@ -254,3 +254,30 @@ def test_exact_mode_on_the_hot_path_answers_as_python_does(tmp_path: Path) -> No
     assert rust == python
     assert [s for s, _ in rust] == [400] * 5
     assert "must alternate" in rust[0][1]["error"]["message"] and "no chat_template" in rust[-1][1]["error"]["message"]
+
+
+def test_a_tokenizer_only_python_loads_falls_back_to_forwarding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the Rust side cannot load a tokenizer the Python package loads, the data plane forwards
+    every completion (exact mode stays correct, in Python) instead of failing to start."""
+    import kvroute.gateway.dataplane as dataplane
+
+    real = dataplane.DataPlane
+
+    def rust_refuses_tokenizers(router: kvroute.Router, *, tokenizer: str | None = None, **kw: Any) -> DataPlane:
+        if tokenizer is not None:
+            raise ValueError(f"cannot load the tokenizer {tokenizer}: unsupported here")
+        return real(router, **kw)
+
+    monkeypatch.setattr(dataplane, "DataPlane", rust_refuses_tokenizers)
+    path = build_word_level(tmp_path)
+
+    async def scenario() -> None:
+        async with Cluster(2, server="rust", tokenizer=path, router={"block_size": BS}) as c:
+            dp = c.gw.data_plane
+            assert dp is not None and not dp.exact
+            status, _, data = await c.post("/v1/chat/completions", CHATS[0])
+            assert status == 200, data
+            assert dp.metrics()["forwarded"] == 1 and dp.metrics()["routing_count"] == 0
+            assert_no_leak(c)
+
+    run(scenario())
