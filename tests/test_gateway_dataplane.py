@@ -226,7 +226,7 @@ def test_kvroute_serve_chooses_its_data_plane(tmp_path: Path) -> None:
 
         tok = build_word_level(tmp_path)
         assert rust("--worker", "http://h:1", "--tokenizer", tok)  # exact mode: served by the Rust plane too
-        assert not rust("--prefill", "http://p:1", "--decode", "http://d:1", "--tokenizer", tok)
+        assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--tokenizer", tok)  # exact PD as well
         assert not rust("--worker", "http://h:1", "--tokenizer", tok, "--data-plane", "python")
     assert not rust("--worker", "https://h:1")  # it speaks plain http only
     assert rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: served on the Rust plane too

@@ -16,7 +16,7 @@ pytest.importorskip("jinja2")
 
 import kvroute
 from exact_tokenizers import CHATML, LLAMA2, SIMPLE, WORDS, build_byte_level_bpe, build_word_level
-from gateway_harness import Cluster, assert_no_leak, run
+from gateway_harness import Cluster, Rendezvous, assert_no_leak, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane
@@ -278,6 +278,27 @@ def test_a_tokenizer_only_python_loads_falls_back_to_forwarding(tmp_path: Path, 
             status, _, data = await c.post("/v1/chat/completions", CHATS[0])
             assert status == 200, data
             assert dp.metrics()["forwarded"] == 1 and dp.metrics()["routing_count"] == 0
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("convention", ["vllm", "sglang"])
+def test_exact_mode_pd_is_served_by_the_data_plane(tmp_path: Path, convention: str) -> None:
+    """Exact prompts route PD pairs on the data plane as well, in both conventions."""
+    path = build_byte_level_bpe(tmp_path / "bpe", CHATML)
+
+    async def scenario() -> None:
+        rv = Rendezvous() if convention == "sglang" else None
+        async with Cluster(prefill=1, decode=1, server="rust", tokenizer=path, pd_convention=convention, rendezvous=rv) as c:
+            dp = c.gw.data_plane
+            assert dp is not None and dp.exact
+            status, headers, data = await c.post("/v1/chat/completions", {**CHATS[0], "stream": True})
+            assert status == 200 and headers["X-Kvroute-Worker"] == c.decode[0].url, data
+            status, _, data = await c.post("/v1/completions", {"prompt": "once upon a time", "max_tokens": 2})
+            assert status == 200, data
+            m = dp.metrics()
+            assert m["forwarded"] == 0 and m["routing_count"] == 2, m
             assert_no_leak(c)
 
     run(scenario())
