@@ -411,3 +411,43 @@ def test_config_validation_errors_are_clear() -> None:
         create_app(kvroute.Router(), ["http://h:1", "http://h:1/"])
     with pytest.raises(ValueError, match="kv_events names workers"):
         create_app(kvroute.Router(), ["http://h:1"], kv_events={"http://other:2": "tcp://127.0.0.1:5557"})
+
+
+@pytest.mark.parametrize("server", ["lean", "rust"])
+def test_slow_clients_are_cut_off_after_client_timeout(server: str) -> None:
+    """A client that sends half a request head, or a head and part of its body, and goes silent
+    gets 408 or a closed connection after client_timeout instead of holding the connection; the
+    gateway keeps serving others and no load is taken."""
+
+    async def read_all(reader: asyncio.StreamReader) -> bytes:
+        return await asyncio.wait_for(reader.read(), 10.0)  # until the gateway closes (bounded)
+
+    async def scenario() -> None:
+        async with Cluster(1, server=server, client_timeout=0.3) as c:
+            host, port = c.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            await writer.drain()
+            answer = await read_all(reader)  # hyper closes without a response; the lean server answers 408
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer
+            writer.close()
+
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"pro')
+            await writer.drain()
+            answer = await read_all(reader)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b"not received within 0.3 s" in answer, answer
+            writer.close()
+
+            status, _, _ = await c.post("/v1/completions", {"prompt": "still served", "max_tokens": 1})
+            assert status == 200
+            assert c.mocks[0].requests == 1
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_client_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="client_timeout"):
+        GatewayConfig(client_timeout=0)

@@ -333,6 +333,7 @@ class DataPlane:
         max_retries: int = 2,
         connect_timeout: float = 5.0,
         read_timeout: float = 600.0,
+        client_timeout: float = 30.0,
         approx_ttl: float | None = 120.0,
         threads: int = 1,
         on_unhealthy: Callable[[int, str], None] | None = None,

@@ -77,6 +77,7 @@ class GatewayConfig:
     max_retries: int = 2
     connect_timeout: float = 5.0
     read_timeout: float = 600.0  # longest silence between two upstream chunks
+    client_timeout: float = 30.0  # longest a client may take to send a request's head and body (slow clients are closed)
     health_interval: float = 2.0  # probe period of unhealthy workers
     health_timeout: float = 2.0
     metrics_interval: float = 0.0  # poll engines' /metrics every this many seconds (0: off)
@@ -90,7 +91,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("connect_timeout", "read_timeout", "health_interval", "health_timeout", "approx_ttl"):
+        for name in ("connect_timeout", "read_timeout", "client_timeout", "health_interval", "health_timeout", "approx_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.metrics_interval < 0:

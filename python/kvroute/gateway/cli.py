@@ -86,6 +86,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     s.add_argument("--max-retries", type=int, default=2, help="retries on another worker before any byte reached the client (default 2)")
     s.add_argument("--connect-timeout", type=float, default=5.0)
     s.add_argument("--read-timeout", type=float, default=600.0, help="longest upstream silence between chunks (seconds)")
+    s.add_argument(
+        "--client-timeout", type=float, default=30.0, help="longest a client may take to send a request's head and body (seconds)"
+    )
     s.add_argument("--health-interval", type=float, default=2.0, help="probe period of unhealthy workers (seconds)")
     s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
@@ -154,6 +157,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
         max_retries=a.max_retries,
         connect_timeout=a.connect_timeout,
         read_timeout=a.read_timeout,
+        client_timeout=a.client_timeout,
         health_interval=a.health_interval,
         metrics_interval=a.metrics_interval,
         models=tuple(a.model),

@@ -84,6 +84,7 @@ def make_data_plane(gw: Gateway, backend_port: int, host: str, port: int, *, hot
         max_retries=cfg.max_retries,
         connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
+        client_timeout=cfg.client_timeout,
         approx_ttl=cfg.approx_ttl if gw.approx is not None else None,
         threads=threads,
         on_unhealthy=on_unhealthy,

@@ -96,6 +96,28 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
+        # Armed while the connection waits for a request (head and body): a client that opens a
+        # connection and trickles bytes, or never sends any, is closed after client_timeout.
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(self.server.gw.config.client_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.closed or self.task is not None:
+            return
+        if self.buf:
+            self._fail(408, f"request not received within {self.server.gw.config.client_timeout:g} s")
+        elif self.transport is not None:  # an idle keep-alive connection: just close it
+            self.transport.close()
+            self.closed = True
 
     # ---- asyncio callbacks -----------------------------------------------------------
 
@@ -104,9 +126,11 @@ class _Conn(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if isinstance(peer, tuple) else str(peer or "")
         self.server.conns.add(self)
+        self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        self._disarm()
         self.server.conns.discard(self)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: cancel its upstream request
@@ -196,6 +220,7 @@ class _Conn(asyncio.Protocol):
         path = target.split("?", 1)[0]
         keep = version == "HTTP/1.1" and headers.get("Connection", "").lower() != "close"
         req = LeanRequest(self, method, path, CIMultiDictProxy(headers), body)
+        self._disarm()
         self.task = asyncio.get_running_loop().create_task(self._run(req, keep))
 
     async def _run(self, req: LeanRequest, keep: bool) -> None:
@@ -223,8 +248,10 @@ class _Conn(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             self.closed = True
-        elif self.buf:
-            self._next()
+        else:
+            self._arm()
+            if self.buf:
+                self._next()
 
 
 class _LeanServer:

@@ -22,7 +22,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kvroute_core::router::decision::Path as RoutePath;
 use kvroute_core::router::Role;
 use kvroute_core::{RouteRequest, Router, RouterError, WorkerId};
@@ -75,6 +75,9 @@ pub struct PlaneConfig {
     pub connect_timeout: Duration,
     /// Longest upstream silence (response head, then between two chunks).
     pub read_timeout: Duration,
+    /// Longest a client may take to send a request's head, and again its body: a client that
+    /// opens connections and trickles bytes is cut off instead of holding them forever.
+    pub client_timeout: Duration,
     /// Insert routed prompts into the index for this long (approximate mode); `None`: never.
     pub approx_ttl: Option<Duration>,
     /// Runtime threads: 1 runs a current-thread runtime on one dedicated thread.
@@ -162,7 +165,11 @@ impl DataPlane {
         if cfg.max_body_bytes == 0 || cfg.max_client_concurrency == 0 || cfg.max_in_flight == 0 {
             return Err(PlaneError::Config("max_body_bytes, max_client_concurrency and max_in_flight must be >= 1".into()));
         }
-        if cfg.read_timeout.is_zero() || cfg.connect_timeout.is_zero() || cfg.approx_ttl.is_some_and(|t| t.is_zero()) {
+        if cfg.read_timeout.is_zero()
+            || cfg.connect_timeout.is_zero()
+            || cfg.client_timeout.is_zero()
+            || cfg.approx_ttl.is_some_and(|t| t.is_zero())
+        {
             return Err(PlaneError::Config("timeouts and approx_ttl must be > 0 seconds".into()));
         }
         let mut connector = HttpConnector::new();
@@ -392,12 +399,18 @@ async fn serve(sh: Arc<Shared>, listener: std::net::TcpListener, mut stop: onesh
 async fn connection(sh: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
     let ip: Arc<str> = peer.ip().to_string().into();
+    let sh_timeout = sh.cfg.client_timeout;
     let svc = service_fn(move |req| {
         let sh = sh.clone();
         let ip = ip.clone();
         async move { Ok::<_, Infallible>(handle(sh, ip, req).await) }
     });
-    let _ = http1::Builder::new().title_case_headers(true).serve_connection(TokioIo::new(stream), svc).await;
+    let _ = http1::Builder::new()
+        .title_case_headers(true)
+        .timer(TokioTimer::new())
+        .header_read_timeout(sh_timeout)
+        .serve_connection(TokioIo::new(stream), svc)
+        .await;
 }
 
 fn status_class(status: StatusCode) -> &'static str {
@@ -515,7 +528,16 @@ async fn read_body(sh: &Shared, headers: &HeaderMap, body: Incoming) -> Result<B
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
+    let timeout = sh.cfg.client_timeout;
+    let Ok(collected) = tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await else {
+        return Err(Reject {
+            status: 408,
+            message: format!("request body not received within {} s", timeout.as_secs_f64()),
+            kind: "invalid_request_error",
+            retry_after: None,
+        });
+    };
+    match collected {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Err(e) => Err(Reject {

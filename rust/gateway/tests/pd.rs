@@ -131,6 +131,7 @@ fn config(pd_convention: PdConvention) -> PlaneConfig {
         max_retries: 2,
         connect_timeout: Duration::from_secs(2),
         read_timeout: Duration::from_secs(5),
+        client_timeout: Duration::from_secs(5),
         approx_ttl: Some(Duration::from_secs(60)),
         threads: 1,
         tokenizer: None,

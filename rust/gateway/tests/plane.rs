@@ -95,6 +95,7 @@ fn config(backend: SocketAddr) -> PlaneConfig {
         max_retries: 2,
         connect_timeout: Duration::from_secs(2),
         read_timeout: Duration::from_secs(5),
+        client_timeout: Duration::from_secs(5),
         approx_ttl: Some(Duration::from_secs(60)),
         tokenizer: None,
         threads: 1,

@@ -61,7 +61,7 @@ impl PyDataPlane {
     #[pyo3(signature = (
         router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true, pd_convention = "vllm",
         max_body_bytes = 33554432, max_client_concurrency = 256, max_in_flight = 10000, client_key_header = None,
-        max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None,
+        max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, client_timeout = 30.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None,
         tokenizer = None
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -81,6 +81,7 @@ impl PyDataPlane {
         max_retries: u32,
         connect_timeout: f64,
         read_timeout: f64,
+        client_timeout: f64,
         approx_ttl: Option<f64>,
         threads: usize,
         on_unhealthy: Option<Py<PyAny>>,
@@ -104,6 +105,7 @@ impl PyDataPlane {
             max_retries,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             read_timeout: seconds(read_timeout, "read_timeout")?,
+            client_timeout: seconds(client_timeout, "client_timeout")?,
             approx_ttl: approx_ttl.map(|t| seconds(t, "approx_ttl")).transpose()?,
             threads,
         };
