@@ -206,7 +206,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from kvroute.gateway.dataplane import serve_with_data_plane
 
         return loop.run_until_complete(
-            _serve_lean(gw, a.host, a.port, freeze, partial(serve_with_data_plane, threads=a.data_plane_threads))
+            _serve_lean(gw, a.host, a.port, freeze, partial(serve_with_data_plane, threads=a.data_plane_threads), label="Rust data plane")
         )
     if a.http_server == "aiohttp":
         from aiohttp import web
@@ -222,7 +222,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             app, host=a.host, port=a.port, handler_cancellation=True, access_log=None, loop=loop, print=lambda m: print(m, flush=True)
         )
         return 0
-    return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze))
+    return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze, label="Python gateway"))
 
 
 def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
@@ -236,7 +236,7 @@ def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
     return bool(a.data_plane == "rust")
 
 
-async def _serve_lean(gw: Any, host: str, port: int, freeze: Any, serve: Any = None) -> int:
+async def _serve_lean(gw: Any, host: str, port: int, freeze: Any, serve: Any = None, *, label: str) -> int:
     import asyncio
     import signal
 
@@ -246,7 +246,8 @@ async def _serve_lean(gw: Any, host: str, port: int, freeze: Any, serve: Any = N
 
     def ready(url: str) -> None:
         freeze()
-        print(f"======== kvroute gateway on {url} ========", flush=True)
+        mode = "exact" if gw.config.tokenizer else "approximate"
+        print(f"======== kvroute gateway on {url} ({label}, {mode} prompts) ========", flush=True)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
