@@ -4,82 +4,37 @@
 //! the Router's load back to zero after each.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig, Tier, DEFAULT_SEED};
 use kvroute_gateway::{approx_prompt, DataPlane, PdConvention, PlaneConfig};
 use serde_json::{json, Value};
 
-/// Each request's head and body, as a fake engine received them.
-type Seen = Arc<Mutex<Vec<(String, Value)>>>;
+mod common;
+use common::{dechunk, poll, Fake};
 
-/// A fake engine on a thread: `reply(body)` is the raw HTTP answer to each request, or `None` to hold
-/// the request until the peer closes the connection (counted in `closed`).
-struct Fake {
-    addr: SocketAddr,
-    seen: Seen,
-    closed: Arc<AtomicUsize>,
+/// A fake engine answering from the request's JSON body.
+fn fake(reply: impl Fn(&Value) -> Option<String> + Send + Sync + 'static) -> Fake {
+    common::fake(move |b| reply(&serde_json::from_slice(b).unwrap()))
 }
 
-fn fake(reply: impl Fn(&Value) -> Option<String> + Send + Sync + 'static) -> Fake {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let (seen, closed) = (Seen::default(), Arc::new(AtomicUsize::new(0)));
-    let (seen2, closed2, reply) = (seen.clone(), closed.clone(), Arc::new(reply));
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(conn) = conn else { return };
-            let (seen, closed, reply) = (seen2.clone(), closed2.clone(), reply.clone());
-            std::thread::spawn(move || {
-                conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-                let mut w = conn.try_clone().unwrap();
-                let mut r = BufReader::new(conn);
-                loop {
-                    let (mut head, mut len) = (String::new(), 0usize);
-                    loop {
-                        let mut line = String::new();
-                        if r.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap();
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; len];
-                    r.read_exact(&mut body).unwrap();
-                    let body: Value = serde_json::from_slice(&body).unwrap();
-                    seen.lock().unwrap().push((head.to_ascii_lowercase(), body.clone()));
-                    match reply(&body) {
-                        Some(answer) => {
-                            if w.write_all(answer.as_bytes()).is_err() {
-                                return;
-                            }
-                        }
-                        None => {
-                            // Held: the request ends when the data plane drops its connection.
-                            while r.read(&mut [0u8; 64]).unwrap_or(0) > 0 {}
-                            closed.fetch_add(1, Ordering::SeqCst);
-                            return;
-                        }
-                    }
-                }
-            });
-        }
-    });
-    Fake { addr, seen, closed }
+/// The `i`-th request a fake engine received: its head in lower case and its JSON body.
+fn received(f: &Fake, i: usize) -> (String, Value) {
+    let (head, body) = f.seen.lock().unwrap()[i].clone();
+    (head.to_ascii_lowercase(), serde_json::from_slice(&body).unwrap())
 }
 
 fn http(status: &str, content_type: &str, body: &str) -> String {
     format!("HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+}
+
+fn config(pd_convention: PdConvention) -> PlaneConfig {
+    common::config("127.0.0.1:9".parse().unwrap(), pd_convention) // nothing is forwarded in these tests
 }
 
 const DECODED: &str = "data: {\"text\": \" one\"}\n\ndata: [DONE]\n\n";
@@ -92,50 +47,6 @@ fn request(addr: SocketAddr, body: &str) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
-}
-
-/// The body of a chunked response.
-fn dechunk(resp: &str) -> String {
-    let mut rest = &resp[resp.find("\r\n\r\n").unwrap() + 4..];
-    let mut out = String::new();
-    loop {
-        let (size, after) = rest.split_once("\r\n").unwrap();
-        let n = usize::from_str_radix(size, 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&after[..n]);
-        rest = &after[n + 2..];
-    }
-}
-
-/// Polls `pred` (bounded) for effects that have no event to wait on, such as a peer's close.
-fn poll(what: &str, pred: impl Fn() -> bool) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while !pred() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-fn config(pd_convention: PdConvention) -> PlaneConfig {
-    PlaneConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend: "127.0.0.1:9".parse().unwrap(), // nothing is forwarded in these tests
-        hot_path: true,
-        pd_convention,
-        max_body_bytes: 1 << 20,
-        max_client_concurrency: 8,
-        max_in_flight: 64,
-        client_key_header: None,
-        max_retries: 2,
-        connect_timeout: Duration::from_secs(2),
-        read_timeout: Duration::from_secs(5),
-        client_timeout: Duration::from_secs(5),
-        approx_ttl: Some(Duration::from_secs(60)),
-        threads: 1,
-        tokenizer: None,
-    }
 }
 
 /// Workers the data plane reported unhealthy, with the reason.
@@ -190,14 +101,14 @@ fn vllm_prefill_then_decode_with_failover_on_the_prefill_side() {
     assert!(resp.contains("Content-Type: text/event-stream\r\n") && resp.contains("Transfer-Encoding: chunked\r\n"), "{resp}");
     assert_eq!(dechunk(&resp), DECODED, "the decode answer, byte for byte");
 
-    let (phead, pbody) = prefill.seen.lock().unwrap()[0].clone();
+    let (phead, pbody) = received(&prefill, 0);
     assert!(phead.starts_with("post /v1/completions") && phead.contains("authorization: bearer k"), "{phead}");
     assert_eq!((&pbody["max_tokens"], &pbody["stream"], pbody.get("stream_options")), (&json!(1), &json!(false), None));
     assert_eq!(
         pbody["kv_transfer_params"],
         json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null})
     );
-    let (dhead, dbody) = decode.seen.lock().unwrap()[0].clone();
+    let (dhead, dbody) = received(&decode, 0);
     assert!(dhead.contains("authorization: bearer k"), "{dhead}");
     let mut expected: Value = serde_json::from_str(&body).unwrap();
     expected["kv_transfer_params"] = json!({"remote_engine_id": "p1", "remote_block_ids": [4, 5]});
@@ -268,11 +179,12 @@ fn sglang_bootstrap_to_both_retries_a_failed_prefill_with_a_new_room() {
         assert!(room < 1 << 63);
         room
     };
-    let first = tagged(&bad.seen.lock().unwrap()[0].1, 9001);
-    let second = tagged(&good.seen.lock().unwrap()[0].1, 9002);
+    let first = tagged(&received(&bad, 0).1, 9001);
+    let second = tagged(&received(&good, 0).1, 9002);
     assert_ne!(first, second, "the retry meets in a new room");
-    let good_body = good.seen.lock().unwrap()[0].1.clone();
-    assert!(decode.seen.lock().unwrap().iter().any(|(_, b)| *b == good_body), "prefill and decode get the same request");
+    let good_body = received(&good, 0).1;
+    let decoded = decode.seen.lock().unwrap().len(); // the guard must not outlive this line: `received` locks too
+    assert!((0..decoded).any(|i| received(&decode, i).1 == good_body), "prefill and decode get the same request");
     // A decode request of the failed room (if it got there before the plane gave up on it) is cancelled.
     poll("the failed room's decode request to be cancelled", || {
         decode.closed.load(Ordering::SeqCst) + 1 == decode.seen.lock().unwrap().len()

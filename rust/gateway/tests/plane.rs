@@ -1,61 +1,23 @@
 //! The data plane end to end on loopback, without Python: a refusing worker is retried on the next
 //! one, the answer is relayed byte for byte, the load is released, forwarding reaches the backend.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig};
 use kvroute_gateway::{DataPlane, PdConvention, PlaneConfig};
 
-/// A one-answer HTTP/1.1 server on a thread: replies `reply` to every request, keep-alive; records
-/// each request's head and body.
-/// Each request's head and body, as a fake server received them.
-type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+mod common;
+use common::dechunk;
 
-fn fake_server(reply: &'static str) -> (SocketAddr, Seen) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let seen2 = seen.clone();
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(conn) = conn else { return };
-            let seen = seen2.clone();
-            std::thread::spawn(move || {
-                conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-                let mut w = conn.try_clone().unwrap();
-                let mut r = BufReader::new(conn);
-                loop {
-                    let mut head = String::new();
-                    let mut len = 0usize;
-                    loop {
-                        let mut line = String::new();
-                        if r.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap();
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; len];
-                    r.read_exact(&mut body).unwrap();
-                    seen.lock().unwrap().push((head, body));
-                    if w.write_all(reply.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (addr, seen)
+/// A fake engine answering `reply` to every request (keep-alive), recording each request.
+fn fake_server(reply: &'static str) -> (SocketAddr, common::Seen) {
+    let f = common::fake(move |_| Some(reply.to_string()));
+    (f.addr, f.seen)
 }
 
 fn request(addr: SocketAddr, head: &str, body: &str) -> String {
@@ -67,39 +29,8 @@ fn request(addr: SocketAddr, head: &str, body: &str) -> String {
     out
 }
 
-/// The body of a chunked response.
-fn dechunk(resp: &str) -> String {
-    let mut rest = &resp[resp.find("\r\n\r\n").unwrap() + 4..];
-    let mut out = String::new();
-    loop {
-        let (size, after) = rest.split_once("\r\n").unwrap();
-        let n = usize::from_str_radix(size, 16).unwrap();
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&after[..n]);
-        rest = &after[n + 2..];
-    }
-}
-
 fn config(backend: SocketAddr) -> PlaneConfig {
-    PlaneConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend,
-        hot_path: true,
-        pd_convention: PdConvention::Vllm,
-        max_body_bytes: 1 << 20,
-        max_client_concurrency: 8,
-        max_in_flight: 64,
-        client_key_header: None,
-        max_retries: 2,
-        connect_timeout: Duration::from_secs(2),
-        read_timeout: Duration::from_secs(5),
-        client_timeout: Duration::from_secs(5),
-        approx_ttl: Some(Duration::from_secs(60)),
-        tokenizer: None,
-        threads: 1,
-    }
+    common::config(backend, PdConvention::Vllm)
 }
 
 const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 23\r\n\r\ndata: one\n\ndata: [DONE]";
