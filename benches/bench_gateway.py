@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kvroute.gateway.app import VLLM_PREFILL_KV_TRANSFER_PARAMS
 
 
 def free_port() -> int:
@@ -115,14 +116,7 @@ def build_tokenizer(root: str, prompt_tokens: int) -> str:
 # One request of the load: (session, request number, body) -> answered 200.
 Send = Callable[[aiohttp.ClientSession, int, dict[str, object]], Awaitable[bool]]
 
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+REMOTE_DECODE = VLLM_PREFILL_KV_TRANSFER_PARAMS
 
 
 def via(urls: list[str]) -> Send:

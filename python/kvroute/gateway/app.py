@@ -59,6 +59,17 @@ class WorkerConfig:
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
+# What vLLM's P/D proxy asks of the prefill engine: compute the prompt's KV and keep it for a remote decode.
+VLLM_PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 @dataclass
 class GatewayConfig:
     """Gateway behaviour; every field has a ``kvroute serve`` flag of the same name."""
@@ -627,14 +638,7 @@ class Gateway:
         """vLLM's convention: a max_tokens=1 prefill asking for remote decode, then the decode request
         carrying the kv_transfer_params the prefill returned."""
         pbody = dict(body)
-        pbody["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        pbody["kv_transfer_params"] = dict(VLLM_PREFILL_KV_TRANSFER_PARAMS)
         pbody["stream"] = False
         pbody.pop("stream_options", None)
         pbody["max_tokens"] = 1
