@@ -14,7 +14,7 @@ use minijinja::{Environment, Error as TemplateError, ErrorKind, Output, State, V
 use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
-use crate::prompt::{completion_prompt, output_tokens, py_json_str, valid_messages, ApproxPrompt, CompletionPrompt};
+use crate::prompt::{completion_prompt, output_tokens, py_json_str, py_truthy, valid_messages, ApproxPrompt, CompletionPrompt};
 
 /// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
 /// the (by default single-threaded) data plane; shorter ones are cheaper to encode in place than to hand over.
@@ -387,18 +387,6 @@ fn dumps(v: &TemplateValue, indent: Option<usize>, depth: usize, out: &mut Strin
         kind => return refuse(&kind.to_string()),
     }
     Ok(())
-}
-
-/// Python's truthiness of a JSON value.
-fn py_truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ use tokio::time::Sleep;
 use crate::approx::ApproxCache;
 use crate::exact::{ExactError, ExactPrompter};
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::prompt::{approx_prompt, ApproxPrompt};
+use crate::prompt::{approx_prompt, py_truthy, ApproxPrompt};
 
 #[path = "pd.rs"]
 pub mod pd;
@@ -449,17 +449,6 @@ fn error(status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> Re
     r
 }
 
-fn truthy(v: Option<&Value>) -> bool {
-    match v {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(Value::Number(n)) => n.as_f64().is_some_and(|f| f != 0.0),
-        Some(Value::String(s)) => !s.is_empty(),
-        Some(Value::Array(a)) => !a.is_empty(),
-        Some(Value::Object(o)) => !o.is_empty(),
-    }
-}
-
 async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Response<PlaneBody> {
     let endpoint = match (req.method() == Method::POST, req.uri().path()) {
         (true, "/v1/completions") => Some(("/v1/completions", false)),
@@ -489,7 +478,7 @@ async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Respon
     if sh.cfg.hot_path {
         if let Ok(value) = serde_json::from_slice::<Value>(&raw) {
             let t0 = Instant::now();
-            let stream = truthy(value.get("stream"));
+            let stream = value.get("stream").is_some_and(py_truthy);
             let prompt = match &sh.exact {
                 Some(exact) => exact.prompt_async(value, chat).await,
                 None => approx_prompt(&value, chat, sh.block_size, sh.seed),

@@ -197,6 +197,18 @@ pub(crate) fn py_json_str(s: &str, out: &mut String) {
     out.push('"');
 }
 
+/// Python's truthiness of a JSON value (`bool(value)` after `json.loads`).
+pub(crate) fn py_truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
 /// UTF-8 bytes zero-padded to a multiple of 4, read as little-endian u32 "tokens".
 pub fn text_tokens(raw: &[u8]) -> Vec<u32> {
     let mut chunks = raw.chunks_exact(BYTES_PER_TOKEN);
