@@ -586,3 +586,16 @@ def test_lifecycle_counters_stay_consistent(ops, pd):
     for w in r.workers():
         x = r.load(w, now=now + 100)
         assert (x["in_flight"], x["prefilling"], x["prefill_tokens"], x["decoding"], x["decode_blocks"]) == (0, 0, 0, 0, 0)
+
+
+def test_node_score_is_cache_blind_and_counts_queued_requests():
+    r = make("node_score", n=2, tie_break="lowest", ttft_slo=2.0)
+    p = prompt(7, 2048)
+    hold(r, 0, p)
+    d = r.route(p, now=0.0, request_id=1, explain=True)
+    # Both idle: equal scores (0.4 + 0.3 + 0.2 + 0.1), the lowest id wins regardless of the cache.
+    assert d.reason == "node_score" and [row["score"] for row in d.explain] == pytest.approx([-1.0, -1.0])
+    d2 = r.route(prompt(8, 64), now=0.0, request_id=2, explain=True)
+    # Worker 0 now has a queued request and a queue: worker 1 scores higher.
+    assert d2.worker == 1
+    assert d2.explain[0]["score"] > -1.0

@@ -294,6 +294,7 @@ class PrefillEngines:
         block_size: int = 64,
         index: KvIndex | None = None,
         event_lag: float = 0.0,
+        shared_cache: bool = False,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property

@@ -30,6 +30,9 @@ class ClusterConfig:
     slo: float = 2.0
     #: Seconds between an engine storing/evicting a block and the router's index seeing it.
     event_lag: float = 0.0
+    #: The global-cache bound: one LRU of ``cache_blocks * instances`` blocks that every prefill
+    #: instance reads and fills (no prefix is ever duplicated), queues still per instance.
+    shared_cache: bool = False
     #: PD mode when > 0: decode instances (worker ids after the prefill ones), each holding
     #: ``decode_kv_blocks`` KV blocks, stepping in ``decode_step_s + batch / decode_tokens_per_s``
     #: seconds per output token (the Router's TPOT model); prefilled KV moves at ``link_bytes_per_s``
@@ -149,6 +152,7 @@ def simulate(
         block_size=workload.block_size,
         index=index,
         event_lag=float(cluster.event_lag),
+        shared_cache=cluster.shared_cache,
     )
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
@@ -269,6 +273,7 @@ def _simulate_pd(
         block_size=workload.block_size,
         index=index,
         event_lag=float(cluster.event_lag),
+        shared_cache=cluster.shared_cache,
     )
     decoders = [_DecodeWorker() for _ in range(cluster.decode_instances)]
     bs = workload.block_size

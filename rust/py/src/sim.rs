@@ -104,7 +104,8 @@ pub fn seed_chat_workload<'py>(
 /// Simulated prefill engines, the seed's cluster: engine `i` (published as worker `worker_ids[i]`)
 /// has an LRU prefix cache of `capacity_blocks` blocks and a FIFO queue prefilling
 /// `tokens_per_s` uncached tokens per second. With `index`, engines publish block stored/removed
-/// events into it, `event_lag` seconds after they happen (0: immediately).
+/// events into it, `event_lag` seconds after they happen (0: immediately). With `shared_cache`,
+/// one LRU of `capacity_blocks` x engines blocks serves every engine (the global-cache bound).
 #[pyclass(module = "kvroute._core", name = "PrefillEngines")]
 pub struct PyPrefillEngines {
     inner: PrefillEngines,
@@ -113,7 +114,8 @@ pub struct PyPrefillEngines {
 #[pymethods]
 impl PyPrefillEngines {
     #[new]
-    #[pyo3(signature = (worker_ids, *, capacity_blocks, tokens_per_s, block_size = 64, index = None, event_lag = 0.0))]
+    #[pyo3(signature = (worker_ids, *, capacity_blocks, tokens_per_s, block_size = 64, index = None, event_lag = 0.0, shared_cache = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         worker_ids: Vec<u64>,
         capacity_blocks: i64,
@@ -121,6 +123,7 @@ impl PyPrefillEngines {
         block_size: i64,
         index: Option<PyRef<'_, PyKvIndex>>,
         event_lag: f64,
+        shared_cache: bool,
     ) -> PyResult<Self> {
         let cap = count(capacity_blocks, "capacity_blocks", 0)?;
         let bs = check_block_size(block_size)?;
@@ -129,7 +132,8 @@ impl PyPrefillEngines {
             return Err(PyValueError::new_err(format!("worker_ids must be distinct; {w} appears twice")));
         }
         let idx = index.map(|i| i.inner.clone());
-        let inner = PrefillEngines::new(worker_ids, cap, tokens_per_s, bs, idx, event_lag).map_err(sim_err)?;
+        let make = if shared_cache { PrefillEngines::shared } else { PrefillEngines::new };
+        let inner = make(worker_ids, cap, tokens_per_s, bs, idx, event_lag).map_err(sim_err)?;
         Ok(PyPrefillEngines { inner })
     }
 

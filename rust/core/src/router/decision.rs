@@ -19,6 +19,8 @@ pub enum Reason {
     Cost,
     /// The default policy: cheapest prefill among workers that keep the TTFT SLO.
     Slack,
+    /// The seed 003 chapter's weighted node score.
+    NodeScore,
     /// The caller named the worker.
     Pinned,
     /// The policy's choice would miss the TTFT SLO; the minimum-TTFT worker was taken instead.
@@ -43,6 +45,7 @@ impl Reason {
             Reason::Ttft => "ttft",
             Reason::Cost => "cost",
             Reason::Slack => "slack",
+            Reason::NodeScore => "node_score",
             Reason::Pinned => "pinned",
             Reason::SloFallback => "slo_fallback",
             Reason::ShortPrompt => "short_prompt",
@@ -95,6 +98,10 @@ pub struct Candidate {
     /// queue_delay + prefill_time + transfer_time.
     pub predicted_ttft: f64,
     pub in_flight: u32,
+    /// Requests waiting for (or in) prefill here: our own count, or the engine's report when larger.
+    pub queued: u32,
+    /// The worker's prefill speed, tokens per second.
+    pub prefill_speed: f64,
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
     /// Prefill seconds' worth of cached blocks this worker's LRU would evict to store the

@@ -405,6 +405,8 @@ impl Router {
             // The seed's ttft(i): max(busy - t, 0) + (len - hit) / SPEED, in that order.
             predicted_ttft: queue_delay + prefill_time + transfer_time,
             in_flight: w.in_flight(),
+            queued: w.prefilling.max(w.observed.waiting.unwrap_or(0)),
+            prefill_speed: w.spec.prefill_tokens_per_s,
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
             evict_time,

@@ -520,3 +520,31 @@ fn new_slack_knobs_are_validated() {
         assert!(matches!(Router::new(cfg, None), Err(RouterError::InvalidConfig(_))));
     }
 }
+
+#[test]
+fn node_score_is_seed_003s_weighted_score() {
+    // Worker 0 holds the whole prompt but has a queue; the score is cache-blind, so worker 1 (idle,
+    // twice as fast) wins: 0.4 + 0.3 + 0.2 + 0.1 = 1.0 against less for worker 0.
+    let cfg = RouterConfig { policy: "node_score".into(), ttft_slo: Some(2.0), tie_break: TieBreak::Lowest, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec { prefill_tokens_per_s: 10_000.0, ..Default::default() }).unwrap();
+    r.add_worker(1, WorkerSpec { prefill_tokens_per_s: 20_000.0, ..Default::default() }).unwrap();
+    let a = prompt(9, 1024);
+    store(&r, 0, &a);
+    r.observe(0, Observed::default(), Some(1.0), Some(0.0)).unwrap();
+    let d = r.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!((d.worker, d.reason), (1, Reason::NodeScore));
+    let rows = d.explain.unwrap();
+    // Worker 0: load 1 s / 2 s = 0.5, no queued requests, half the fastest speed.
+    assert!((rows[0].score + (0.4 * 0.5 + 0.3 + 0.2 * 0.5 + 0.1)).abs() < 1e-12);
+    assert!((rows[1].score + 1.0).abs() < 1e-12);
+    // Each routed request deepens the queue by one tenth: worker 1 fills until worker 0 scores higher.
+    let mut to_one = 0;
+    // Worker 1 scores 1.0 - 0.03 per queued request (and a little load): below worker 0's 0.7 after 10.
+    for k in 0..14 {
+        let p = prompt(100 + k, 64);
+        let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(k as u64), ..Default::default() }).unwrap();
+        to_one += (d.worker == 1) as u32;
+    }
+    assert!((10..14).contains(&to_one), "{to_one}");
+}

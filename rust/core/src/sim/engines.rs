@@ -52,6 +52,8 @@ pub struct PrefillEngines {
     stored: Vec<usize>,
     evicted: Vec<u64>,
     events_published: u64,
+    /// One cache shared by every engine (`caches` has one entry); see `PrefillEngines::shared`.
+    shared: bool,
 }
 
 impl PrefillEngines {
@@ -90,7 +92,43 @@ impl PrefillEngines {
             stored: Vec::new(),
             evicted: Vec::new(),
             events_published: 0,
+            shared: false,
         })
+    }
+
+    /// An upper bound on what routing can gain from caching: the engines' queues as in `new`, but
+    /// one LRU prefix cache of `capacity_blocks` x (number of engines) blocks that every engine
+    /// reads and fills (as if the cluster had one global cache of the same total size, with no
+    /// duplication). Every block event is published under every worker id, so the router's index
+    /// sees each prefix on every worker.
+    pub fn shared(
+        ids: Vec<WorkerId>,
+        capacity_blocks: usize,
+        tokens_per_s: f64,
+        block_size: usize,
+        index: Option<Arc<KvIndex>>,
+        event_lag: f64,
+    ) -> Result<Self, SimError> {
+        let n = ids.len();
+        let mut e = Self::new(ids, capacity_blocks.saturating_mul(n.max(1)), tokens_per_s, block_size, index, event_lag)?;
+        e.caches.truncate(1);
+        e.shared = true;
+        Ok(e)
+    }
+
+    /// Whether the engines share one cache (`PrefillEngines::shared`).
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// Which cache engine `i` reads and fills.
+    #[inline]
+    fn cache_of(&self, i: usize) -> usize {
+        if self.shared {
+            0
+        } else {
+            i
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -110,7 +148,8 @@ impl PrefillEngines {
     }
 
     pub fn cache(&self, i: usize) -> Result<&LruBlockCache, SimError> {
-        self.caches.get(i).ok_or(SimError::UnknownWorker(i, self.ids.len()))
+        self.check(i)?;
+        Ok(&self.caches[self.cache_of(i)])
     }
 
     pub fn events_published(&self) -> u64 {
@@ -139,7 +178,7 @@ impl PrefillEngines {
     /// The true cached prefix of `hashes` on engine `i`, in blocks.
     pub fn hit_blocks(&self, i: usize, hashes: &[u64]) -> Result<usize, SimError> {
         self.check(i)?;
-        Ok(self.caches[i].prefix_len(hashes))
+        Ok(self.caches[self.cache_of(i)].prefix_len(hashes))
     }
 
     /// Publishes every event due by `now` (emitted at or before `now - event_lag`).
@@ -195,7 +234,8 @@ impl PrefillEngines {
     pub fn prefill(&mut self, i: usize, hashes: &[u64], num_tokens: usize, now: f64) -> Result<Prefill, SimError> {
         self.check(i)?;
         self.advance(now)?;
-        let hit_blocks = self.caches[i].prefix_len(hashes);
+        let c = self.cache_of(i);
+        let hit_blocks = self.caches[c].prefix_len(hashes);
         let hit_tokens = (hit_blocks * self.block_size).min(num_tokens);
         let start = self.busy_until[i].max(now);
         let finish = start + (num_tokens - hit_tokens) as f64 / self.speed[i];
@@ -204,8 +244,8 @@ impl PrefillEngines {
         let mut evicted = std::mem::take(&mut self.evicted);
         stored.clear();
         evicted.clear();
-        self.caches[i].access(hashes, &mut stored, &mut evicted);
-        let worker = self.ids[i];
+        self.caches[c].access(hashes, &mut stored, &mut evicted);
+        let workers: Vec<WorkerId> = if self.shared { self.ids.clone() } else { vec![self.ids[i]] };
         // New blocks as contiguous runs, each hung under the block before it, like engine events.
         let mut k = 0;
         while k < stored.len() {
@@ -216,10 +256,17 @@ impl PrefillEngines {
             }
             let last = stored[end - 1];
             let parent = (first > 0).then(|| hashes[first - 1]);
-            self.emit(now, Event::Stored { worker, hashes: hashes[first..=last].to_vec(), parent })?;
+            for &worker in &workers {
+                self.emit(now, Event::Stored { worker, hashes: hashes[first..=last].to_vec(), parent })?;
+            }
             k = end;
         }
-        let res = if evicted.is_empty() { Ok(()) } else { self.emit(now, Event::Removed { worker, hashes: evicted.clone() }) };
+        let mut res = Ok(());
+        if !evicted.is_empty() {
+            for &worker in &workers {
+                res = res.and_then(|_| self.emit(now, Event::Removed { worker, hashes: evicted.clone() }));
+            }
+        }
         self.stored = stored;
         self.evicted = evicted;
         res?;
@@ -229,11 +276,14 @@ impl PrefillEngines {
     /// Drops engine `i`'s cache (as on an engine restart), publishing the removals.
     pub fn clear(&mut self, i: usize, now: f64) -> Result<usize, SimError> {
         self.check(i)?;
-        let all = self.caches[i].clear();
+        let c = self.cache_of(i);
+        let all = self.caches[c].clear();
         let n = all.len();
         if n > 0 {
-            let worker = self.ids[i];
-            self.emit(now, Event::Removed { worker, hashes: all })?;
+            let workers: Vec<WorkerId> = if self.shared { self.ids.clone() } else { vec![self.ids[i]] };
+            for worker in workers {
+                self.emit(now, Event::Removed { worker, hashes: all.clone() })?;
+            }
         }
         Ok(n)
     }
@@ -281,6 +331,29 @@ mod tests {
         e.advance(1.5).unwrap();
         assert_eq!(index.find_matches(&a, ANY_TIER).get(0), Some(3));
         assert_eq!(e.advance(1.0), Err(SimError::TimeWentBackwards { now: 1.0, last: 1.5 }));
+    }
+
+    #[test]
+    fn shared_cache_is_one_lru_seen_by_every_worker() {
+        let index = Arc::new(KvIndex::new(None));
+        let mut e = PrefillEngines::shared(vec![0, 1], 4, 1000.0, 4, Some(index.clone()), 0.0).unwrap();
+        assert!(e.is_shared());
+        let a = chain(5, 6);
+        e.prefill(0, &a, 24, 0.0).unwrap();
+        // Engine 1 hits what engine 0 stored (one cache of 2 x 4 blocks), and the index says so.
+        assert_eq!(e.hit_blocks(1, &a).unwrap(), 6);
+        let p = e.prefill(1, &a, 24, 0.0).unwrap();
+        assert_eq!((p.hit_blocks, p.start, p.finish), (6, 0.0, 0.0));
+        assert_eq!(index.find_matches(&a, ANY_TIER).get(0), Some(6));
+        assert_eq!(index.find_matches(&a, ANY_TIER).get(1), Some(6));
+        // Queues stay per engine; the 8-block capacity evicts for both.
+        let b = chain(6, 4);
+        e.prefill(0, &b, 16, 1.0).unwrap();
+        assert_eq!(e.hit_blocks(1, &a).unwrap(), 0);
+        assert_eq!(index.num_blocks(0), 8);
+        assert_eq!(index.num_blocks(1), 8);
+        assert_eq!(e.clear(1, 2.0).unwrap(), 8);
+        assert_eq!(index.num_blocks(0), 0);
     }
 
     #[test]

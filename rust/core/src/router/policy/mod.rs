@@ -5,6 +5,7 @@ mod cache_aware;
 mod cache_only;
 mod cost;
 mod least_load;
+mod node_score;
 mod random;
 mod round_robin;
 mod slack;
@@ -14,7 +15,7 @@ use super::config::{RouterConfig, TieBreak};
 use super::decision::{Candidate, Reason};
 
 /// Policy names accepted by `make_policy` (and `RouterConfig::policy`).
-pub const POLICIES: &[&str] = &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "slack"];
+pub const POLICIES: &[&str] = &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "slack"];
 
 /// Mutable routing state a policy may advance (under the router's lock).
 pub struct Ctx<'a> {
@@ -62,6 +63,7 @@ pub fn make_policy(cfg: &RouterConfig) -> Option<Box<dyn Policy>> {
             balance_rel_threshold: cfg.balance_rel_threshold,
         }),
         "ttft" => Box::new(ttft::Ttft),
+        "node_score" => Box::new(node_score::NodeScore),
         "cost" => Box::new(cost::Cost { prefill_load_scale: cfg.prefill_load_scale, temperature: cfg.temperature }),
         "slack" => Box::new(slack::Slack {
             queue_weight: cfg.queue_weight,
