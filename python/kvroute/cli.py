@@ -97,6 +97,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--json", action="store_true", help="one JSON object per run per line instead of tables")
     p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib: kvroute[plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only drawn on a terminal anyway)")
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help="the policy benchmark suite: every policy with rejection on every case (tuning and held-out halves), "
+        "event lag 0 and 50 ms, with the infinite-cache and global-cache bounds (other workload options are ignored)",
+    )
+    p.add_argument("--quick", action="store_true", help="with --suite: a small subset that runs in seconds")
+    p.add_argument("--split", choices=("tuning", "held-out"), help="with --suite: only this half")
+    p.add_argument("--case", action="append", metavar="NAME", help="with --suite: only cases whose name contains NAME; repeatable")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -119,7 +128,40 @@ def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
     )
 
 
+def cmd_suite(a: argparse.Namespace) -> int:
+    from kvroute.sim.suite import CASES, QUICK_CASES, format_case, format_suite, run_suite
+
+    cases = [c for c in (QUICK_CASES if a.quick else CASES) if a.split is None or c.split == a.split]
+    if a.case:
+        cases = [c for c in cases if any(n in c.name for n in a.case)]
+        if not cases:
+            raise SystemExit(f"kvroute simulate --suite: no case matches {a.case}")
+    known = _policies()
+    names = None
+    if a.policy and "all" not in a.policy:
+        bad = [x for x in a.policy if x not in known]
+        if bad:
+            raise SystemExit(f"kvroute simulate: unknown policy {bad[0]!r}; expected one of {', '.join(known)} or all")
+        names = list(a.policy)
+
+    def show(r: object) -> None:
+        from kvroute.sim.suite import CaseResult
+
+        assert isinstance(r, CaseResult)
+        print(json.dumps(r.to_json()) if a.json else format_case(r), flush=True)
+
+    results = run_suite(cases, policies=names, on_result=show)
+    if not a.json:
+        print()
+        print(format_suite(results))
+    return 0
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
+    if a.suite:
+        return cmd_suite(a)
+    if a.quick or a.split or a.case:
+        raise SystemExit("kvroute simulate: --quick, --split and --case go with --suite")
     from kvroute.sim import load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
     from kvroute.sim.report import format_table, max_sustained_rate, plot_runs
 

@@ -190,6 +190,31 @@ SHAPES: dict[str, dict[str, Any]] = {
         burst=0.0,
         max_tokens=40000,
     ),
+    # Long-context conversations (the suite's tuning half): each session opens on a shared
+    # system prompt plus its own 6-16k-token document, so every prompt is 10k+ tokens, and grows
+    # by a turn per request (multi-turn order kept); a few sessions run agent-like bursts.
+    "long": dict(
+        prefixes=8,
+        prefix_tokens=4096,
+        sessions=300,
+        turn_tokens=(200, 1000),
+        output=(100, 500),
+        doc_tokens=(6144, 16384),
+        burst=0.3,
+        max_tokens=65536,
+    ),
+    # Long-context retrieval chat (the suite's held-out half, not used to choose any constant):
+    # many sessions over 10-24k-token documents, short questions, little cross-session reuse.
+    "long_rag": dict(
+        prefixes=2,
+        prefix_tokens=2048,
+        sessions=800,
+        turn_tokens=(100, 600),
+        output=(50, 300),
+        doc_tokens=(10240, 24576),
+        burst=0.0,
+        max_tokens=49152,
+    ),
 }
 
 

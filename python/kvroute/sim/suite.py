@@ -1,0 +1,278 @@
+"""The policy benchmark suite: every routing policy with early rejection on a fixed list of
+workloads (the seed chapter's chat, the Mooncake conversation trace, synthetic chat/agent/docs
+shapes, long-context traces in the Mooncake format), at event lag 0 and 50 ms, several workload
+seeds each, beside two upper bounds (an infinite cache, and one global cache of the same total
+size). Each case is marked "tuning" or "held-out"; the split was fixed before any constant of the
+default policy was chosen on it, and the held-out half holds shapes, loads and workload seeds that
+were never looked at while choosing them.
+
+``kvroute simulate --suite`` and ``benches/bench_policies.py`` print it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvroute.sim.cluster import SEED_CLUSTER, ClusterConfig, simulate
+from kvroute.sim.metrics import RunResult
+from kvroute.sim.trace import MOONCAKE_TRACE, find_shared_dir, load_trace, records_to_workload, synthetic_trace
+from kvroute.sim.workload import Workload, seed_chat
+
+__all__ = ["CASES", "QUICK_CASES", "Case", "CaseResult", "default_policy", "format_case", "format_suite", "run_suite", "suite_policies"]
+
+#: "The default is best" allows this many attainment points below the best other policy.
+TOLERANCE_POINTS = 0.05
+#: Event lags every case runs at (seconds).
+EVENT_LAGS = (0.0, 0.05)
+
+_TRACE_CLUSTER = ClusterConfig(instances=4, cache_blocks=1000, speed=20000.0, slo=5.0)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload on one cluster. ``kind`` is "seed-chat" (``load`` = req/s, 120 s), "mooncake"
+    (``load`` = speed-up of the shared conversation trace) or a synthetic shape name from
+    `kvroute.sim.SHAPES` (``load`` = req/s, ``requests`` requests)."""
+
+    name: str
+    split: str
+    kind: str
+    load: float
+    cluster: ClusterConfig
+    seeds: tuple[int, ...] = (0, 1, 2)
+    requests: int = 4000
+    duration: float = 120.0
+
+    def workload(self, seed: int, shared_dir: str | None = None) -> Workload:
+        if self.kind == "seed-chat":
+            return seed_chat(self.load, self.duration, seed)
+        if self.kind == "mooncake":
+            path = mooncake_path(shared_dir)
+            if path is None:
+                raise FileNotFoundError(f"the Mooncake trace ({MOONCAKE_TRACE}) is not in the shared data folder")
+            return load_trace(path, speedup=self.load)
+        recs = synthetic_trace(self.kind, requests=self.requests, rate=self.load, seed=seed)
+        return records_to_workload(recs, name=f"synthetic-{self.kind}")
+
+
+def mooncake_path(shared_dir: str | None = None) -> str | None:
+    """The shared Mooncake trace, or None where the shared data folder does not have it."""
+    d = shared_dir or find_shared_dir(os.path.dirname(os.path.abspath(__file__)))
+    if d is None:
+        d = find_shared_dir(os.getcwd())
+    if d is None:
+        return None
+    p = os.path.join(d, MOONCAKE_TRACE)
+    return p if os.path.exists(p) else None
+
+
+def _c(**kw: Any) -> ClusterConfig:
+    return replace(_TRACE_CLUSTER, **kw)
+
+
+_SEED = SEED_CLUSTER
+_MOON = _c(instances=8, slo=10.0)
+_CHAT = _c(instances=2, slo=2.0)
+_AGENT = _c()
+_AGENT_SMALL = _c(cache_blocks=400, slo=2.0)
+_LONG = _c()
+_HELD = (3, 4, 5)
+
+#: The suite. Tuning: workload seeds 0-2; held-out: other loads and shapes, workload seeds 3-5.
+CASES: tuple[Case, ...] = (
+    Case("seed chat 70/s", "tuning", "seed-chat", 70, _SEED),
+    Case("seed chat 80/s", "tuning", "seed-chat", 80, _SEED),
+    Case("mooncake 5x", "tuning", "mooncake", 5, _MOON, seeds=(0,)),
+    Case("mooncake 6x", "tuning", "mooncake", 6, _MOON, seeds=(0,)),
+    Case("chat 100/s", "tuning", "chat", 100, _CHAT),
+    Case("agent 24/s", "tuning", "agent", 24, _AGENT),
+    Case("agent 400-block 4/s", "tuning", "agent", 4, _AGENT_SMALL),
+    Case("docs 6/s", "tuning", "docs", 6, _AGENT),
+    Case("long 24/s", "tuning", "long", 24, _LONG, requests=3000),
+    Case("long 28/s", "tuning", "long", 28, _LONG, requests=3000),
+    Case("seed chat 60/s", "held-out", "seed-chat", 60, _SEED, seeds=_HELD),
+    Case("seed chat 90/s", "held-out", "seed-chat", 90, _SEED, seeds=_HELD),
+    Case("mooncake 4x", "held-out", "mooncake", 4, _MOON, seeds=(0,)),
+    Case("mooncake 7x", "held-out", "mooncake", 7, _MOON, seeds=(0,)),
+    Case("mooncake 8x", "held-out", "mooncake", 8, _MOON, seeds=(0,)),
+    Case("chat 80/s", "held-out", "chat", 80, _CHAT, seeds=_HELD),
+    Case("agent 32/s", "held-out", "agent", 32, _AGENT, seeds=_HELD),
+    Case("agent 400-block 8/s", "held-out", "agent", 8, _AGENT_SMALL, seeds=_HELD),
+    Case("docs 8/s", "held-out", "docs", 8, _AGENT, seeds=_HELD),
+    Case("long_rag 8/s", "held-out", "long_rag", 8, _LONG, seeds=_HELD, requests=3000),
+    Case("long_rag 9/s", "held-out", "long_rag", 9, _LONG, seeds=_HELD, requests=3000),
+)
+
+#: A small subset that runs in seconds (tests, smoke runs): short workloads, one seed per half.
+QUICK_CASES: tuple[Case, ...] = (
+    Case("seed chat 80/s, 20 s", "tuning", "seed-chat", 80, _SEED, seeds=(0,), duration=20.0),
+    Case("agent 24/s, 600 req", "tuning", "agent", 24, _AGENT, seeds=(0,), requests=600),
+    Case("docs 8/s, 400 req", "held-out", "docs", 8, _AGENT, seeds=(3,), requests=400),
+    Case("long_rag 9/s, 300 req", "held-out", "long_rag", 9, _LONG, seeds=(3,), requests=300),
+)
+
+
+def suite_policies() -> list[str]:
+    """Every policy the Router knows, the default last."""
+    from kvroute import POLICIES
+
+    d = default_policy()
+    return [p for p in POLICIES if p != d] + [d]
+
+
+def default_policy() -> str:
+    """The policy a `kvroute.Router()` uses when none is named."""
+    from kvroute import Router
+
+    return str(Router().policy)
+
+
+@dataclass
+class CaseResult:
+    """Mean over a case's seeds at one event lag: attainment and rejection per policy, the bounds."""
+
+    case: Case
+    event_lag: float
+    attainment: dict[str, float]
+    rejected: dict[str, float]
+    bounds: dict[str, float]
+    default: str
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def best_other(self) -> tuple[str, float]:
+        others = {p: a for p, a in self.attainment.items() if p != self.default}
+        p = max(others, key=lambda k: others[k])
+        return p, others[p]
+
+    @property
+    def default_is_best(self) -> bool:
+        return self.attainment[self.default] >= self.best_other[1] - TOLERANCE_POINTS / 100.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "case": self.case.name,
+            "split": self.case.split,
+            "event_lag": self.event_lag,
+            "seeds": list(self.case.seeds),
+            "attainment": self.attainment,
+            "rejected": self.rejected,
+            "bounds": self.bounds,
+            "default": self.default,
+            "default_is_best": self.default_is_best,
+        }
+
+
+def _bound_clusters(cluster: ClusterConfig, w: Workload) -> dict[str, ClusterConfig]:
+    distinct = len(np.unique(w.hashes)) if len(w.hashes) else 1
+    return {
+        # One global cache that holds every block ever seen (nothing is evicted or duplicated).
+        "infinite cache": replace(cluster, cache_blocks=max(-(-distinct // cluster.instances), cluster.cache_blocks), shared_cache=True),
+        # One LRU of the cluster's total size, read and filled by every instance.
+        "global cache": replace(cluster, shared_cache=True),
+    }
+
+
+def run_suite(
+    cases: Iterable[Case] = CASES,
+    *,
+    policies: Sequence[str] | None = None,
+    event_lags: Sequence[float] = EVENT_LAGS,
+    bound_policies: Sequence[str] = ("slack", "ttft"),
+    bounds: bool = True,
+    default: str | None = None,
+    router_options: dict[str, Any] | None = None,
+    shared_dir: str | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Runs every case at every event lag over its seeds; cases needing the Mooncake trace are
+    skipped where it is absent. Each bound is the best of ``bound_policies`` on that cache
+    (the same Router and rejection, only the cache changed; ``bounds=False`` skips them).
+    ``default`` names the policy judged against the others (the Router's default when None).
+    ``router_options`` go to every
+    Router (e.g. to try a setting on the whole suite)."""
+    names = list(policies) if policies is not None else suite_policies()
+    if default is None:
+        default = default_policy() if default_policy() in names else names[-1]
+    elif default not in names:
+        raise ValueError(f"default {default!r} is not among the policies {names}")
+    out = []
+    for case in cases:
+        if case.kind == "mooncake" and mooncake_path(shared_dir) is None:
+            continue
+        workloads = [case.workload(s, shared_dir) for s in case.seeds]
+        for lag in event_lags:
+            cl = replace(case.cluster, event_lag=lag)
+            att: dict[str, list[float]] = {p: [] for p in names}
+            rej: dict[str, list[float]] = {p: [] for p in names}
+            bnd: dict[str, list[float]] = {}
+            runs = []
+            for w in workloads:
+                for p in names:
+                    r = simulate(w, p, reject=True, cluster=cl, progress=False, router_options=dict(router_options or {}))
+                    att[p].append(r.attainment)
+                    rej[p].append(r.rejected)
+                    runs.append(r)
+                for label, bcl in _bound_clusters(cl, w).items() if bounds else ():
+                    best = max(simulate(w, p, reject=True, cluster=bcl, progress=False).attainment for p in bound_policies)
+                    bnd.setdefault(label, []).append(best)
+            res = CaseResult(
+                case=case,
+                event_lag=lag,
+                attainment={p: float(np.mean(v)) for p, v in att.items()},
+                rejected={p: float(np.mean(v)) for p, v in rej.items()},
+                bounds={k: float(np.mean(v)) for k, v in bnd.items()},
+                default=default,
+                runs=runs,
+            )
+            if on_result is not None:
+                on_result(res)
+            out.append(res)
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}"
+
+
+def format_case(r: CaseResult) -> str:
+    """One case as a block: every policy's attainment (rejection), the bounds, the verdict."""
+    head = f"== {r.case.name} [{r.case.split}], event lag {r.event_lag * 1000:g} ms, seeds {','.join(map(str, r.case.seeds))}"
+    cells = "  ".join(f"{p} {_pct(a)} ({_pct(r.rejected[p])} rej)" for p, a in r.attainment.items())
+    bounds = "  ".join(f"{k} {_pct(v)}" for k, v in r.bounds.items())
+    bp, ba = r.best_other
+    gap = 100 * (r.attainment[r.default] - ba)
+    verdict = f"default {r.default} {'BEST' if r.default_is_best else 'NOT best'} ({gap:+.2f} pts vs {bp})"
+    return f"{head}\n  {cells}\n  bounds: {bounds}\n  {verdict}"
+
+
+def format_suite(results: Sequence[CaseResult]) -> str:
+    """A markdown table of the whole suite (attainment %, mean over seeds), then the tally per half."""
+    if not results:
+        return "(no cases ran)"
+    pols = list(results[0].attainment)
+    lines = [
+        "| case | split | lag | " + " | ".join(pols) + " | infinite cache | global cache | default best? |",
+        "|" + "---|" * (len(pols) + 6),
+    ]
+    for r in results:
+        best = max(r.attainment.values())
+        cells = [f"**{_pct(a)}**" if a == best else _pct(a) for a in r.attainment.values()]
+        lines.append(
+            f"| {r.case.name} | {r.case.split} | {r.event_lag * 1000:g} ms | "
+            + " | ".join(cells)
+            + f" | {_pct(r.bounds.get('infinite cache', float('nan')))} | {_pct(r.bounds.get('global cache', float('nan')))}"
+            + f" | {'yes' if r.default_is_best else f'no ({100 * (r.attainment[r.default] - r.best_other[1]):+.2f})'} |"
+        )
+    lines.append("")
+    for split in ("tuning", "held-out"):
+        part = [r for r in results if r.case.split == split]
+        if part:
+            won = sum(r.default_is_best for r in part)
+            lines.append(f"{split}: default best (within {TOLERANCE_POINTS} points) in {won} of {len(part)} cases")
+    return "\n".join(lines)
