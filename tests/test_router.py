@@ -599,3 +599,22 @@ def test_node_score_is_cache_blind_and_counts_queued_requests():
     # Worker 0 now has a queued request and a queue: worker 1 scores higher.
     assert d2.worker == 1
     assert d2.explain[0]["score"] > -1.0
+
+
+def test_capacity_keeps_a_prefix_where_a_full_cache_would_evict():
+    def make_cap(policy):
+        r = Router(policy=policy, tie_break="lowest", ttft_slo=2.0)
+        for w in range(2):
+            r.add_worker(w, prefill_tokens_per_s=SPEED, prefix_cache_blocks=32)
+        return r
+
+    p, other = prompt(31, 2048), prompt(32, 2048)
+    picks = {}
+    for policy in ("slack", "capacity"):
+        r = make_cap(policy)
+        hold(r, 0, p[: 24 * 64])
+        hold(r, 1, other)
+        r.observe(0, queue_delay=0.4, now=0.0)
+        d = r.route(p, now=0.0)
+        picks[policy] = (d.worker, d.reason)
+    assert picks == {"slack": (1, "slack"), "capacity": (0, "capacity")}

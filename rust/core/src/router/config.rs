@@ -202,7 +202,7 @@ fn finite_nonneg(name: &str, v: f64) -> Result<(), RouterError> {
 impl RouterConfig {
     /// `admission_work_factor`, or the policy's default when unset.
     pub fn admission_factor(&self) -> f64 {
-        self.admission_work_factor.unwrap_or(if self.policy == "slack" { 2.0 } else { 0.0 })
+        self.admission_work_factor.unwrap_or(if matches!(self.policy.as_str(), "slack" | "capacity") { 2.0 } else { 0.0 })
     }
 
     /// Time constant of the offered-load estimate, seconds.

@@ -21,6 +21,8 @@ pub enum Reason {
     Slack,
     /// The seed 003 chapter's weighted node score.
     NodeScore,
+    /// Capacity-aware placement: slack's cost plus the recompute the cache it fills will cause.
+    Capacity,
     /// The caller named the worker.
     Pinned,
     /// The policy's choice would miss the TTFT SLO; the minimum-TTFT worker was taken instead.
@@ -46,6 +48,7 @@ impl Reason {
             Reason::Cost => "cost",
             Reason::Slack => "slack",
             Reason::NodeScore => "node_score",
+            Reason::Capacity => "capacity",
             Reason::Pinned => "pinned",
             Reason::SloFallback => "slo_fallback",
             Reason::ShortPrompt => "short_prompt",
@@ -107,6 +110,13 @@ pub struct Candidate {
     /// Prefill seconds' worth of cached blocks this worker's LRU would evict to store the
     /// request's uncached blocks (0 while its prefix cache has room, or its size is unknown).
     pub evict_time: f64,
+    /// Capacity-aware placement ("capacity"; workers with `prefix_cache_blocks`): full blocks the
+    /// worker would store for this prompt (those it lacks), how many of them its prefix cache can
+    /// only take by evicting cached blocks, and its cache's occupied fraction (engine-reported
+    /// `kv_usage` when known, else the index's count); all 0 when not computed.
+    pub stored_blocks: u64,
+    pub evicted_blocks: u64,
+    pub cache_fill: f64,
     /// The policy's score (lower is better), for `explain`.
     pub score: f64,
 }

@@ -83,6 +83,10 @@ struct State {
     /// The same average of squared tokens: with `offered_rate`, the estimate's standard error.
     offered_sq: f64,
     offered_at: Option<f64>,
+    /// Decaying average (same window) of the fraction of arriving prompts' full blocks cached on
+    /// some worker: how likely a cached block is to be asked for again ("capacity").
+    reuse: f64,
+    reuse_at: Option<f64>,
 }
 
 #[derive(Default)]
@@ -135,6 +139,8 @@ impl Router {
                 offered_rate: 0.0,
                 offered_sq: 0.0,
                 offered_at: None,
+                reuse: 0.0,
+                reuse_at: None,
             }),
             epoch: Instant::now(),
             cfg,
@@ -384,16 +390,23 @@ impl Router {
         let uncached = num_tokens - cached;
         let queue_delay = w.queue_delay(now);
         let prefill_time = w.prefill_time(uncached);
-        let evict_time = match w.spec.prefix_cache_blocks {
-            // Only looked up when charged: the occupancy count reads every index shard.
-            Some(capacity) if self.cfg.eviction_weight > 0.0 => {
+        let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
+        let capacity_aware = self.cfg.policy == "capacity";
+        let (evicted, fill) = match w.spec.prefix_cache_blocks {
+            // Only looked up when needed: the index's occupancy count reads every index shard, so
+            // an engine-reported usage (observe(kv_usage=...)) is used first.
+            Some(capacity) if capacity_aware || self.cfg.eviction_weight > 0.0 => {
+                let used = match w.observed.kv_usage {
+                    Some(u) if capacity_aware => (u * capacity as f64).round() as u64,
+                    _ => self.index.num_blocks(w.id),
+                };
                 // The engine stores the full blocks it lacks; an LRU at capacity evicts as many.
-                let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
-                let evicted = (self.index.num_blocks(w.id) + stored).saturating_sub(capacity).min(stored);
-                w.prefill_time(evicted * self.cfg.block_size as u64)
+                let evicted = (used + stored).saturating_sub(capacity).min(stored);
+                (evicted, if capacity > 0 { (used as f64 / capacity as f64).min(1.0) } else { 1.0 })
             }
-            _ => 0.0,
+            _ => (0, 0.0),
         };
+        let evict_time = if self.cfg.eviction_weight > 0.0 { w.prefill_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -410,6 +423,9 @@ impl Router {
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
             evict_time,
+            stored_blocks: if capacity_aware { stored } else { 0 },
+            evicted_blocks: evicted,
+            cache_fill: fill,
             score: 0.0,
         }
     }
@@ -500,6 +516,7 @@ impl Router {
             st.cands.push(c);
         }
         let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
+        let reuse = Self::record_reuse(st, cfg, now, num_tokens);
         if st.cands.is_empty() && decode_filtered == 0 {
             return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
         }
@@ -543,6 +560,7 @@ impl Router {
                     block_size: cfg.block_size,
                     ttft_slo: cfg.ttft_slo,
                     admission_work_factor: cfg.admission_factor_at(rho_evident),
+                    reuse,
                 };
                 let (mut i, mut reason) = match pinned {
                     Some(_) => (0, Reason::Pinned),
@@ -655,6 +673,29 @@ impl Router {
         } else {
             (0.0, 0.0)
         }
+    }
+
+    /// Folds this arrival's reuse (full blocks cached on its best candidate / its full blocks)
+    /// into a decaying average over the load window and returns it. Only "capacity" reads it.
+    fn record_reuse(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> f64 {
+        let full = num_tokens / cfg.block_size as u64;
+        if cfg.policy != "capacity" || full == 0 {
+            return st.reuse;
+        }
+        let best = st.cands.iter().map(|c| c.overlap_blocks as u64).max().unwrap_or(0).min(full);
+        let x = best as f64 / full as f64;
+        let tau = cfg.load_window();
+        match st.reuse_at {
+            None => st.reuse = x,
+            Some(t) => {
+                // Weight of the old average: exp(-dt / tau), at least a per-arrival floor so that a
+                // burst at one instant still averages instead of replacing.
+                let keep = (-(now - t).max(0.0) / tau).exp().min(1.0 - 1.0 / 64.0);
+                st.reuse = keep * st.reuse + (1.0 - keep) * x;
+            }
+        }
+        st.reuse_at = Some(st.reuse_at.map_or(now, |t| t.max(now)));
+        st.reuse
     }
 
     /// The offered prefill load as a fraction of the prefill pool's capacity, decayed to `now`

@@ -548,3 +548,39 @@ fn node_score_is_seed_003s_weighted_score() {
     }
     assert!((10..14).contains(&to_one), "{to_one}");
 }
+
+#[test]
+fn capacity_charges_the_evictions_a_full_cache_makes() {
+    // Worker 0 holds 24 of the prompt's 32 blocks but is 0.4 s behind; worker 1 is idle with a full
+    // 32-block prefix cache of other blocks. slack recomputes on worker 1; capacity sees that
+    // storing 32 blocks there evicts 32 cached ones (reused with p = 24/32: 3 blocks of recompute
+    // each) and keeps the request where its prefix is.
+    let a = prompt(21, 2048);
+    let other = prompt(22, 2048);
+    let make = |policy: &str| {
+        let cfg = RouterConfig { policy: policy.into(), tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..2 {
+            r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
+        }
+        store(&r, 0, &a[..24 * 64]);
+        store(&r, 1, &other);
+        r.observe(0, Observed::default(), Some(0.4), Some(0.0)).unwrap();
+        r
+    };
+    let slack = make("slack");
+    assert_eq!(route(&slack, &a, 0.0).worker, 1);
+    let cap = make("capacity");
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!((d.worker, d.reason), (0, Reason::Capacity));
+    let rows = d.explain.unwrap();
+    let t_block = 64.0 / 20_000.0;
+    let slack_cost = |q: f64, work: f64| 0.2 * q + work + 8.0 * work * (q + work) / 2.0;
+    assert!((rows[0].score - slack_cost(0.4, 512.0 / 20_000.0)).abs() < 1e-12);
+    assert!((rows[1].score - (slack_cost(0.0, 2048.0 / 20_000.0) + 3.0 * t_block * 32.0)).abs() < 1e-12);
+    // An engine-reported usage replaces the index's count: worker 1 reported empty evicts nothing,
+    // and its copy of the 24 blocks worker 0 holds costs nothing while its cache is empty.
+    cap.observe(1, Observed { kv_usage: Some(0.0), ..Default::default() }, None, Some(0.0)).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 1);
+}

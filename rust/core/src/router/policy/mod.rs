@@ -3,6 +3,7 @@
 
 mod cache_aware;
 mod cache_only;
+mod capacity;
 mod cost;
 mod least_load;
 mod node_score;
@@ -15,7 +16,8 @@ use super::config::{RouterConfig, TieBreak};
 use super::decision::{Candidate, Reason};
 
 /// Policy names accepted by `make_policy` (and `RouterConfig::policy`).
-pub const POLICIES: &[&str] = &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "slack"];
+pub const POLICIES: &[&str] =
+    &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "capacity", "slack"];
 
 /// Mutable routing state a policy may advance (under the router's lock).
 pub struct Ctx<'a> {
@@ -30,6 +32,8 @@ pub struct Ctx<'a> {
     pub ttft_slo: Option<f64>,
     /// See `RouterConfig::admission_work_factor`.
     pub admission_work_factor: f64,
+    /// Recent fraction of arriving prompt blocks that were cached somewhere ("capacity").
+    pub reuse: f64,
 }
 
 /// The figure admission compares with the TTFT SLO: predicted TTFT plus `factor` times the part of
@@ -65,6 +69,15 @@ pub fn make_policy(cfg: &RouterConfig) -> Option<Box<dyn Policy>> {
         "ttft" => Box::new(ttft::Ttft),
         "node_score" => Box::new(node_score::NodeScore),
         "cost" => Box::new(cost::Cost { prefill_load_scale: cfg.prefill_load_scale, temperature: cfg.temperature }),
+        "capacity" => Box::new(capacity::Capacity {
+            slack: slack::Slack {
+                queue_weight: cfg.queue_weight,
+                prefill_weight: cfg.prefill_weight,
+                pressure_weight: cfg.pressure_weight,
+                eviction_weight: 0.0,
+                slo_margin: cfg.slo_margin,
+            },
+        }),
         "slack" => Box::new(slack::Slack {
             queue_weight: cfg.queue_weight,
             prefill_weight: cfg.prefill_weight,

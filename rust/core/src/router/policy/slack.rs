@@ -22,6 +22,30 @@ pub struct Slack {
     pub slo_margin: f64,
 }
 
+impl Slack {
+    /// The cost of placing the request on `c` (seconds), `scale` = the TTFT SLO (1 without one).
+    #[inline]
+    pub fn cost(&self, c: &Candidate, scale: f64) -> f64 {
+        let work = c.prefill_time + c.transfer_time;
+        self.queue_weight * c.queue_delay
+            + self.prefill_weight * work
+            + self.pressure_weight * work * (c.queue_delay + work) / scale
+            + self.eviction_weight * c.evict_time
+    }
+
+    /// The lowest `score` among workers predicted to keep the SLO, else over all.
+    pub fn pick(&self, ctx: &mut Ctx<'_>, cands: &[Candidate]) -> usize {
+        let limit = ctx.ttft_slo.map_or(f64::INFINITY, |s| s * (1.0 - self.slo_margin));
+        let key = |c: &Candidate| (c.score, c.predicted_ttft);
+        let f = ctx.admission_work_factor;
+        let feasible = |c: &Candidate| admission_ttft(c, f) <= limit;
+        if let Some(i) = pick_min(ctx, cands, feasible, key) {
+            return i;
+        }
+        pick_min(ctx, cands, |_| true, key).expect("non-empty")
+    }
+}
+
 impl Policy for Slack {
     fn name(&self) -> &'static str {
         "slack"
@@ -29,19 +53,8 @@ impl Policy for Slack {
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
         let scale = ctx.ttft_slo.unwrap_or(1.0);
         for c in cands.iter_mut() {
-            let work = c.prefill_time + c.transfer_time;
-            c.score = self.queue_weight * c.queue_delay
-                + self.prefill_weight * work
-                + self.pressure_weight * work * (c.queue_delay + work) / scale
-                + self.eviction_weight * c.evict_time;
+            c.score = self.cost(c, scale);
         }
-        let limit = ctx.ttft_slo.map_or(f64::INFINITY, |s| s * (1.0 - self.slo_margin));
-        let key = |c: &Candidate| (c.score, c.predicted_ttft);
-        let f = ctx.admission_work_factor;
-        let feasible = |c: &Candidate| admission_ttft(c, f) <= limit;
-        if let Some(i) = pick_min(ctx, cands, feasible, key) {
-            return (i, Reason::Slack);
-        }
-        (pick_min(ctx, cands, |_| true, key).expect("non-empty"), Reason::Slack)
+        (self.pick(ctx, cands), Reason::Slack)
     }
 }

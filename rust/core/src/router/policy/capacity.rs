@@ -1,0 +1,56 @@
+//! "capacity": capacity-aware placement. slack's cost (queueing delay, the prefill compute the
+//! choice spends, the queueing it imposes on later requests) plus, on the same time scale, the
+//! recompute the placement is expected to cause later through the prefix cache it fills:
+//!
+//!   capacity cost = prefill_weight * reuse * t_block * (evicted + fill * duplicated_into_free)
+//!
+//! (`t_block` = one block's prefill time on that worker.)
+//!
+//! - `evicted`: cached blocks the worker's LRU must drop to store the blocks it lacks (its
+//!   configured `prefix_cache_blocks`, occupancy from the engine's reported `kv_usage` or the
+//!   index). An evicted block costs `t_block` (its prefill time there) if it is asked for again.
+//! - `duplicated_into_free`: blocks of this prompt already resident on another worker that this
+//!   worker would store again into free space. A copy evicts nothing now, but it takes room that
+//!   a distinct block would otherwise use; `fill` (the occupied fraction) is the chance that room
+//!   is needed before it is freed.
+//! - `reuse` = p / (1 - p), p = how likely a cached block is to be asked for again, estimated as
+//!   the recent fraction of arriving prompts' full blocks that were cached somewhere (a decaying
+//!   average over the load window; p capped at 0.95). An evicted block that is asked for again is
+//!   recomputed, and storing it again evicts another block that is reused with the same chance:
+//!   the expected recompute of one eviction is p + p^2 + ... = p / (1 - p) blocks. Where nothing
+//!   is reused the term vanishes and the rule is slack.
+//!
+//! No constant is fitted: the weight is slack's `prefill_weight` (recompute later is compute,
+//! as the prefill now is). Workers without `prefix_cache_blocks` are charged nothing.
+
+use super::slack::Slack;
+use super::{Ctx, Policy};
+use crate::router::decision::{Candidate, Reason};
+
+pub struct Capacity {
+    pub slack: Slack,
+}
+
+impl Policy for Capacity {
+    fn name(&self) -> &'static str {
+        "capacity"
+    }
+    fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
+        let scale = ctx.ttft_slo.unwrap_or(1.0);
+        let best = cands.iter().map(|c| c.overlap_blocks as u64).max().unwrap_or(0);
+        let bs = ctx.block_size as f64;
+        let p = ctx.reuse.clamp(0.0, 0.95);
+        let reuse = p / (1.0 - p);
+        for c in cands.iter_mut() {
+            let mut cost = self.slack.cost(c, scale);
+            if p > 0.0 && c.stored_blocks > 0 {
+                let dup = (best - c.overlap_blocks as u64).min(c.stored_blocks);
+                let dup_free = dup.saturating_sub(c.evicted_blocks);
+                let t_block = bs / c.prefill_speed;
+                cost += self.slack.prefill_weight * reuse * t_block * (c.evicted_blocks as f64 + c.cache_fill * dup_free as f64);
+            }
+            c.score = cost;
+        }
+        (self.slack.pick(ctx, cands), Reason::Capacity)
+    }
+}
