@@ -209,6 +209,8 @@ class Router:
         kv_bytes_per_token: float = 327680.0,
         link_bytes_per_s: float = 25e9,
         link_latency_s: float = 0.001,
+        decode_choice: Literal["tpot", "score"] = "tpot",
+        kv_compression: float = 1.0,
         local_prefill_max_tokens: int = 0,
         prefill_busy_queue_s: float | None = None,
         optimistic_insert: bool = False,

@@ -87,6 +87,16 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--decode-speed", type=float, default=2000.0, help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)"
     )
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO in seconds (PD mode; default none)")
+    p.add_argument(
+        "--decode-choice",
+        choices=("tpot", "score"),
+        default="tpot",
+        help="PD mode: decode worker by lowest predicted TPOT (default) or the seed 003 chapter's score",
+    )
+    p.add_argument("--kv-compression", type=float, default=1.0, help="PD mode: bytes sent per KV byte (default 1; 0.5 = fp8 transfer)")
+    p.add_argument(
+        "--incremental-transfer", action="store_true", help="PD mode: decode instances cache prefixes; only the blocks they lack move"
+    )
     p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
@@ -125,6 +135,8 @@ def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
         decode_kv_blocks=a.decode_kv_blocks,
         decode_tokens_per_s=a.decode_speed,
         tpot_slo=a.tpot_slo,
+        kv_compression=a.kv_compression,
+        incremental_transfer=a.incremental_transfer,
     )
 
 
@@ -221,7 +233,17 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     for w in workloads():
         block = []
         for policy, reject in rows:
-            r = simulate(w, policy, reject=reject, cluster=cluster, tie_break=tie_for(policy), seed=a.router_seed, progress=progress)
+            opts = {"decode_choice": a.decode_choice} if a.decode_choice != "tpot" else None
+            r = simulate(
+                w,
+                policy,
+                reject=reject,
+                cluster=cluster,
+                tie_break=tie_for(policy),
+                seed=a.router_seed,
+                progress=progress,
+                router_options=opts,
+            )
             if "speedup" in w.meta:
                 r.extra["speedup"] = w.meta["speedup"]
             block.append(r)

@@ -45,6 +45,13 @@ class ClusterConfig:
     kv_bytes_per_token: float = 327_680.0
     link_bytes_per_s: float = 25e9
     link_latency_s: float = 0.001
+    #: Bytes sent per KV byte (1: as stored; 0.5: fp8 from 16-bit KV, the seed 003 chapter's
+    #: compressed transfer). The Router is told the same.
+    kv_compression: float = 1.0
+    #: Incremental transfer (the seed 003 chapter's): each decode instance keeps an LRU prefix cache
+    #: of ``decode_kv_blocks`` blocks that publishes KV events like the prefill engines', and only the
+    #: blocks it lacks cross the link (the Router's transfer estimate already counts only those).
+    incremental_transfer: bool = False
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -61,12 +68,14 @@ class ClusterConfig:
             raise ValueError(f"need decode_instances >= 0 and decode_kv_blocks >= 1, got {self.decode_instances}, {self.decode_kv_blocks}")
         if not (self.decode_tokens_per_s > 0 and self.decode_step_s >= 0 and self.link_bytes_per_s > 0):
             raise ValueError("decode_tokens_per_s and link_bytes_per_s must be > 0 and decode_step_s >= 0")
+        if not (0 < self.kv_compression <= 1):
+            raise ValueError(f"kv_compression must be in (0, 1] (bytes sent per KV byte), got {self.kv_compression}")
         if self.tpot_slo is not None and not self.tpot_slo > 0:
             raise ValueError(f"tpot_slo must be > 0 seconds or None, got {self.tpot_slo}")
 
     def transfer_time(self, tokens: int) -> float:
         """Seconds to move ``tokens`` tokens of KV from a prefill to a decode instance."""
-        return tokens * self.kv_bytes_per_token / self.link_bytes_per_s + self.link_latency_s if tokens else 0.0
+        return tokens * self.kv_bytes_per_token * self.kv_compression / self.link_bytes_per_s + self.link_latency_s if tokens else 0.0
 
 
 SEED_CLUSTER = ClusterConfig()
@@ -86,7 +95,7 @@ def make_router(
 
     pd = cluster.decode_instances > 0
     if pd:
-        for k in ("decode_step_s", "kv_bytes_per_token", "link_bytes_per_s", "link_latency_s"):
+        for k in ("decode_step_s", "kv_bytes_per_token", "link_bytes_per_s", "link_latency_s", "kv_compression"):
             options.setdefault(k, getattr(cluster, k))
         options.setdefault("tpot_slo", cluster.tpot_slo)
     if tie_break not in ("rotate", "lowest"):
@@ -276,6 +285,20 @@ def _simulate_pd(
         shared_cache=cluster.shared_cache,
     )
     decoders = [_DecodeWorker() for _ in range(cluster.decode_instances)]
+    # Incremental transfer: the decode instances' prefix caches (queues unused), in the same index.
+    decode_caches = (
+        _core.PrefillEngines(
+            list(range(p_n, p_n + cluster.decode_instances)),
+            capacity_blocks=cluster.decode_kv_blocks,
+            tokens_per_s=float(cluster.speed),
+            block_size=workload.block_size,
+            index=index,
+            event_lag=float(cluster.event_lag),
+        )
+        if cluster.incremental_transfer
+        else None
+    )
+    transferred_tokens = 0
     bs = workload.block_size
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
@@ -295,12 +318,18 @@ def _simulate_pd(
     draw = random.Random(seed).randrange if policy == "random" and python_random else None
 
     def run_events(until: float) -> None:
-        nonlocal good, no_room
+        nonlocal good, no_room, transferred_tokens
         while events and events[0][0] <= until:
             t, kind, rid = heapq.heappop(events)
             if kind == 0:
                 router.prefill_done(rid, now=t)
-                heapq.heappush(events, (t + cluster.transfer_time(num_tokens[rid]), 1, rid))
+                moved = num_tokens[rid]
+                if decode_caches is not None:
+                    # The decode side already holds `hit` tokens of the prompt; it now caches all of it.
+                    _, hit, _, _ = decode_caches.prefill(decode_of[rid], hashes[offsets[rid] : ends[rid]], num_tokens[rid], t)
+                    moved -= hit
+                transferred_tokens += moved
+                heapq.heappush(events, (t + cluster.transfer_time(moved), 1, rid))
             elif kind == 1:
                 need = -(-(num_tokens[rid] + out_tokens[rid]) // bs)
                 if need > cluster.decode_kv_blocks:
@@ -328,6 +357,8 @@ def _simulate_pd(
         t = arrival[i]
         run_events(t)
         engines.advance(t)
+        if decode_caches is not None:
+            decode_caches.advance(t)
         hs = hashes[offsets[i] : ends[i]]
         nt = num_tokens[i]
         pin = {"worker": draw(p_n)} if draw is not None else {}
@@ -367,5 +398,6 @@ def _simulate_pd(
         tpot_p50=tpots[len(tpots) // 2] if tpots else math.nan,
         tpot_p99=tpots[int(len(tpots) * 0.99)] if tpots else math.nan,
         never_fit=no_room,
+        transferred_tokens=transferred_tokens,
     )
     return result

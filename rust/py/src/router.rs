@@ -4,7 +4,7 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_core::router::{Decision, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
+use kvroute_core::router::{Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -92,7 +92,7 @@ impl PyRouter {
         shed_load_threshold = 1.0, shed_load_ramp = 1.0, shed_load_sigmas = 2.0, load_window_s = None,
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
-        decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001,
+        decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
         local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -124,6 +124,8 @@ impl PyRouter {
         kv_bytes_per_token: f64,
         link_bytes_per_s: f64,
         link_latency_s: f64,
+        decode_choice: &str,
+        kv_compression: f64,
         local_prefill_max_tokens: u64,
         prefill_busy_queue_s: Option<f64>,
         optimistic_insert: bool,
@@ -133,6 +135,8 @@ impl PyRouter {
         let block_size = crate::convert::check_block_size(block_size)?;
         let tie_break = TieBreak::from_name(tie_break)
             .ok_or_else(|| PyValueError::new_err(format!("tie_break must be 'rotate' or 'lowest', got {tie_break:?}")))?;
+        let decode_rule = DecodeRule::from_name(decode_choice)
+            .ok_or_else(|| PyValueError::new_err(format!("decode_choice must be 'tpot' or 'score', got {decode_choice:?}")))?;
         let cfg = RouterConfig {
             block_size,
             hash_seed,
@@ -162,6 +166,8 @@ impl PyRouter {
             kv_bytes_per_token,
             link_bytes_per_s,
             link_latency_s,
+            decode_rule,
+            kv_compression,
             local_prefill_max_tokens,
             prefill_busy_queue_s,
             optimistic_insert,
@@ -356,6 +362,8 @@ impl PyRouter {
         d.set_item("kv_bytes_per_token", c.kv_bytes_per_token)?;
         d.set_item("link_bytes_per_s", c.link_bytes_per_s)?;
         d.set_item("link_latency_s", c.link_latency_s)?;
+        d.set_item("decode_choice", c.decode_rule.name())?;
+        d.set_item("kv_compression", c.kv_compression)?;
         d.set_item("local_prefill_max_tokens", c.local_prefill_max_tokens)?;
         d.set_item("prefill_busy_queue_s", c.prefill_busy_queue_s)?;
         d.set_item("optimistic_insert", c.optimistic_insert)?;

@@ -61,6 +61,32 @@ impl Role {
     }
 }
 
+/// How the decode worker is chosen in PD mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeRule {
+    /// Lowest predicted TPOT with the request, then most free KV blocks.
+    Tpot,
+    /// The seed 003 chapter's score, the highest 0.5 (1 - ITL / target) + 0.3 bandwidth
+    /// + 0.2 (1 - batch / 256) among workers with KV room (headroom `kv_headroom`, 20% by default).
+    Score,
+}
+
+impl DecodeRule {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "tpot" => Some(DecodeRule::Tpot),
+            "score" => Some(DecodeRule::Score),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeRule::Tpot => "tpot",
+            DecodeRule::Score => "score",
+        }
+    }
+}
+
 /// Everything a Router is configured with; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -131,8 +157,13 @@ pub struct RouterConfig {
     pub kv_headroom: f64,
     /// Decode step time at batch size 0; TPOT(b) = decode_step_s + b / decode_tokens_per_s.
     pub decode_step_s: f64,
+    /// PD mode: how the decode worker is chosen.
+    pub decode_rule: DecodeRule,
     /// KV cache bytes per token (for PD transfer time and prefix fetches).
     pub kv_bytes_per_token: f64,
+    /// Bytes on the wire per byte of KV moved (1: uncompressed; 0.5: fp8 from 16-bit KV, the seed
+    /// 003 chapter's compressed transfer).
+    pub kv_compression: f64,
     /// KV transfer link bandwidth, bytes per second.
     pub link_bytes_per_s: f64,
     /// KV transfer latency per transfer, seconds.
@@ -177,6 +208,8 @@ impl Default for RouterConfig {
             decode_step_s: 0.01,
             // Llama-3-70B-like: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
             kv_bytes_per_token: 327_680.0,
+            kv_compression: 1.0,
+            decode_rule: DecodeRule::Tpot,
             // 200 Gb/s RDMA, 1 ms setup (seed 003's estimate).
             link_bytes_per_s: 25e9,
             link_latency_s: 0.001,
@@ -254,6 +287,9 @@ impl RouterConfig {
         finite_nonneg("kv_headroom", self.kv_headroom)?;
         finite_nonneg("decode_step_s", self.decode_step_s)?;
         finite_nonneg("kv_bytes_per_token", self.kv_bytes_per_token)?;
+        check(self.kv_compression.is_finite() && self.kv_compression > 0.0 && self.kv_compression <= 1.0, || {
+            format!("kv_compression must be in (0, 1] (bytes sent per KV byte), got {}", self.kv_compression)
+        })?;
         check(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0, || {
             format!("link_bytes_per_s must be a finite number > 0, got {}", self.link_bytes_per_s)
         })?;
@@ -269,6 +305,6 @@ impl RouterConfig {
         if tokens == 0 {
             return 0.0;
         }
-        tokens as f64 * self.kv_bytes_per_token / self.link_bytes_per_s + self.link_latency_s
+        tokens as f64 * self.kv_bytes_per_token * self.kv_compression / self.link_bytes_per_s + self.link_latency_s
     }
 }

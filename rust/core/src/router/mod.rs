@@ -22,7 +22,7 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 use crate::index::{KvIndex, MatchScratch, Matches, Tier, WorkerId, ANY_TIER};
-pub use config::{Role, RouterConfig, TieBreak};
+pub use config::{DecodeRule, Role, RouterConfig, TieBreak};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
 pub use load::{InFlight, Observed, WorkerLoad, WorkerSpec};

@@ -584,3 +584,47 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
     assert_eq!(d.worker, 1);
 }
+
+#[test]
+fn seed_decode_score_prefers_bandwidth_over_a_small_batch() {
+    // Decode worker 10 is twice as fast and runs 10 sequences; 11 is idle. Lowest TPOT with the
+    // request: 11 (0.0105 s vs 0.01275 s). The seed 003 score: 10 (0.375 + 0.3 + 0.192 = 0.867)
+    // over 11 (0.4 + 0.15 + 0.2 = 0.75).
+    let build = |rule: DecodeRule| {
+        let cfg = RouterConfig { policy: "ttft".into(), tie_break: TieBreak::Lowest, decode_rule: rule, ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        r.add_worker(0, WorkerSpec { role: Role::Prefill, ..Default::default() }).unwrap();
+        let dec = |speed: f64| WorkerSpec {
+            role: Role::Decode,
+            kv_capacity_blocks: Some(1000),
+            decode_tokens_per_s: Some(speed),
+            ..Default::default()
+        };
+        r.add_worker(10, dec(4000.0)).unwrap();
+        r.add_worker(11, dec(2000.0)).unwrap();
+        r.observe(10, Observed { running: Some(10), ..Default::default() }, None, Some(0.0)).unwrap();
+        r
+    };
+    let p = prompt(40, 256);
+    let req = RouteRequest { tokens: Some(&p), now: Some(0.0), ..Default::default() };
+    assert_eq!(build(DecodeRule::Tpot).route(&req).unwrap().decode_worker, Some(11));
+    assert_eq!(build(DecodeRule::Score).route(&req).unwrap().decode_worker, Some(10));
+    // Only workers with 20% KV headroom: a request that leaves worker 10 too little room goes to 11.
+    let r = build(DecodeRule::Score);
+    r.observe(10, Observed { kv_usage: Some(0.9), ..Default::default() }, None, Some(0.0)).unwrap();
+    let big = prompt(41, 64 * 90);
+    let d = r.route(&RouteRequest { tokens: Some(&big), now: Some(0.0), ..Default::default() }).unwrap();
+    assert_eq!(d.decode_worker, Some(11));
+}
+
+#[test]
+fn compressed_transfer_halves_the_bytes() {
+    let plain = RouterConfig::default();
+    let fp8 = RouterConfig { kv_compression: 0.5, ..Default::default() };
+    let bytes = |c: &RouterConfig, n: u64| (c.transfer_time(n) - c.link_latency_s) * c.link_bytes_per_s;
+    assert!((bytes(&fp8, 1000) - 0.5 * bytes(&plain, 1000)).abs() < 1e-3);
+    assert_eq!(fp8.transfer_time(0), 0.0);
+    for bad in [0.0, 1.5, f64::NAN] {
+        assert!(Router::new(RouterConfig { kv_compression: bad, ..Default::default() }, None).is_err());
+    }
+}
