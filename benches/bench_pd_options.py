@@ -1,5 +1,5 @@
 """The seed 003 chapter's PD options in the simulator, one row each: compressed (fp8) transfer,
-incremental transfer, both, and the chapter's decode score, against the default PD cluster
+incremental transfer, both, the chapter's decode score and its decode admission, against the default PD cluster
 (docs/simulator.md, "The seed 003 chapter's PD options").
 
     python benches/bench_pd_options.py
@@ -34,6 +34,7 @@ def main() -> None:
             "incremental": (dataclasses.replace(base, incremental_transfer=True), {}),
             "fp8 + incremental": (dataclasses.replace(base, kv_compression=0.5, incremental_transfer=True), {}),
             "decode score": (base, {"decode_choice": "score"}),
+            "decode admission": (dataclasses.replace(base, decode_admission=True), {}),
         }
         for name, (cl, opts) in variants.items():
             r = simulate(w, "slack", reject=True, cluster=cl, progress=False, router_options=opts)

@@ -62,5 +62,18 @@ def test_decode_choice_is_a_router_option_and_bad_values_are_errors():
 def test_cli_pd_transfer_flags(capsys):
     args = ["simulate", "--scenario", "synthetic", "--shape", "long", "--requests", "100", "--rate", "4", "--instances", "2"]
     args += ["--slo", "5", "--decode-instances", "2", "--policy", "slack", "--reject", "--json"]
-    assert main([*args, "--kv-compression", "0.5", "--incremental-transfer", "--decode-choice", "score"]) == 0
+    assert main([*args, "--kv-compression", "0.5", "--incremental-transfer", "--decode-choice", "score", "--decode-admission"]) == 0
     assert '"transferred_tokens"' in capsys.readouterr().out
+
+
+def test_decode_admission_caps_the_batch_and_bounds_tpot():
+    cl = dataclasses.replace(BASE, decode_tokens_per_s=1000.0, tpot_slo=0.05)
+    adm = dataclasses.replace(cl, decode_admission=True)
+    # 0.01 + b / 1000 < 1.2 * 0.05: at most 49 sequences per batch.
+    assert adm.max_decode_batch() == 49 and cl.max_decode_batch() is None
+    assert dataclasses.replace(adm, decode_tokens_per_s=1e6).max_decode_batch() == 256
+    w = records_to_workload(synthetic_trace("chat", requests=1500, rate=30, seed=2), name="chat")
+    free = simulate(w, "slack", reject=False, cluster=cl, progress=False)
+    capped = simulate(w, "slack", reject=False, cluster=adm, progress=False)
+    assert capped.extra["tpot_p99"] <= 0.01 + 49 / 1000.0 + 1e-12
+    assert free.extra["tpot_p99"] > capped.extra["tpot_p99"]

@@ -97,6 +97,11 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--incremental-transfer", action="store_true", help="PD mode: decode instances cache prefixes; only the blocks they lack move"
     )
+    p.add_argument(
+        "--decode-admission",
+        action="store_true",
+        help="PD mode: the seed 003 chapter's decode admission (at most 256 running, estimated ITL < 1.2 x target)",
+    )
     p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
@@ -137,6 +142,7 @@ def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
         tpot_slo=a.tpot_slo,
         kv_compression=a.kv_compression,
         incremental_transfer=a.incremental_transfer,
+        decode_admission=a.decode_admission,
     )
 
 

@@ -52,6 +52,19 @@ class ClusterConfig:
     #: of ``decode_kv_blocks`` blocks that publishes KV events like the prefill engines', and only the
     #: blocks it lacks cross the link (the Router's transfer estimate already counts only those).
     incremental_transfer: bool = False
+    #: The seed 003 chapter's decode admission: a sequence joins a decode instance's batch only
+    #: while at most 256 run and the estimated ITL with it stays under 1.2 x the target (the TPOT
+    #: SLO, or the chapter's 50 ms); otherwise it waits for running sequences to finish.
+    decode_admission: bool = False
+
+    def max_decode_batch(self) -> int | None:
+        """With ``decode_admission``: the largest batch the chapter's rule admits (at least 1)."""
+        if not self.decode_admission:
+            return None
+        target = self.tpot_slo if self.tpot_slo is not None else 0.05
+        # Estimated ITL with b running: decode_step_s + b / decode_tokens_per_s < 1.2 * target.
+        b = math.ceil((1.2 * target - self.decode_step_s) * self.decode_tokens_per_s) - 1
+        return max(1, min(256, b))
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -244,11 +257,13 @@ class _DecodeWorker:
         self.running: list[tuple[float, int]] = []
         self.used = 0
 
-    def join(self, now: float, need: int, capacity: int) -> float:
+    def join(self, now: float, need: int, capacity: int, max_batch: int | None = None) -> float:
         """Start time of a sequence needing ``need`` blocks that arrives at ``now``: when enough
-        running sequences have finished (KV is reserved from the moment it is granted)."""
+        running sequences have finished (KV is reserved from the moment it is granted), and with
+        ``max_batch`` when fewer than that many run."""
         start = now
-        while self.running and (self.running[0][0] <= now or self.used + need > capacity):
+        cap_b = max_batch if max_batch is not None else math.inf
+        while self.running and (self.running[0][0] <= now or self.used + need > capacity or len(self.running) + 1 > cap_b):
             f, b = heapq.heappop(self.running)
             start = max(start, f)
             self.used -= b
@@ -299,6 +314,7 @@ def _simulate_pd(
         else None
     )
     transferred_tokens = 0
+    max_batch = cluster.max_decode_batch()
     bs = workload.block_size
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
@@ -339,7 +355,7 @@ def _simulate_pd(
                     heapq.heappush(events, (t, 2, rid))
                     continue
                 dw = decoders[decode_of[rid]]
-                start = dw.join(t, need, cluster.decode_kv_blocks)
+                start = dw.join(t, need, cluster.decode_kv_blocks, max_batch)
                 tpot = cluster.decode_step_s + (len(dw.running) + 1) / cluster.decode_tokens_per_s
                 finish = start + out_tokens[rid] * tpot
                 heapq.heappush(dw.running, (finish, need))
