@@ -98,6 +98,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--incremental-transfer", action="store_true", help="PD mode: decode instances cache prefixes; only the blocks they lack move"
     )
     p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=0,
+        help="the seed 003 chapter's prefill batching: token budget per batch (the chapter: 8192; default 0 = FIFO)",
+    )
+    p.add_argument("--prefill-batch-wait", type=float, default=0.01, help="seconds an idle instance waits for a batch (default 0.01)")
+    p.add_argument(
         "--decode-admission",
         action="store_true",
         help="PD mode: the seed 003 chapter's decode admission (at most 256 running, estimated ITL < 1.2 x target)",
@@ -143,6 +150,8 @@ def _cluster(a: argparse.Namespace, trace_like: bool) -> ClusterConfig:
         kv_compression=a.kv_compression,
         incremental_transfer=a.incremental_transfer,
         decode_admission=a.decode_admission,
+        prefill_batch_tokens=a.prefill_batch_tokens,
+        prefill_batch_wait_s=a.prefill_batch_wait,
     )
 
 

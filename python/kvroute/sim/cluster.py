@@ -56,6 +56,12 @@ class ClusterConfig:
     #: while at most 256 run and the estimated ITL with it stays under 1.2 x the target (the TPOT
     #: SLO, or the chapter's 50 ms); otherwise it waits for running sequences to finish.
     decode_admission: bool = False
+    #: The seed 003 chapter's prefill batching when > 0 (the chapter: 8192): an idle instance waits
+    #: ``prefill_batch_wait_s`` (10 ms) for a batch to form, then runs its pending requests sorted by
+    #: prompt length while their prompt tokens fit this budget (a longer prompt runs alone); every
+    #: request of a batch gets its first token when the batch ends. 0: FIFO, one request at a time.
+    prefill_batch_tokens: int = 0
+    prefill_batch_wait_s: float = 0.01
 
     def max_decode_batch(self) -> int | None:
         """With ``decode_admission``: the largest batch the chapter's rule admits (at least 1)."""
@@ -81,6 +87,10 @@ class ClusterConfig:
             raise ValueError(f"need decode_instances >= 0 and decode_kv_blocks >= 1, got {self.decode_instances}, {self.decode_kv_blocks}")
         if not (self.decode_tokens_per_s > 0 and self.decode_step_s >= 0 and self.link_bytes_per_s > 0):
             raise ValueError("decode_tokens_per_s and link_bytes_per_s must be > 0 and decode_step_s >= 0")
+        if self.prefill_batch_tokens < 0 or not self.prefill_batch_wait_s >= 0:
+            raise ValueError("prefill_batch_tokens must be >= 0 and prefill_batch_wait_s >= 0 seconds")
+        if self.prefill_batch_tokens and self.decode_instances:
+            raise ValueError("prefill batching is simulated in unified mode only (decode_instances = 0)")
         if not (0 < self.kv_compression <= 1):
             raise ValueError(f"kv_compression must be in (0, 1] (bytes sent per KV byte), got {self.kv_compression}")
         if self.tpot_slo is not None and not self.tpot_slo > 0:
@@ -161,6 +171,8 @@ def simulate(
     still predicts, admits or rejects it; otherwise the Router's own generator picks.
     ``router_options`` go to the factory (for `make_router`: extra `kvroute.Router` settings).
     """
+    if cluster.prefill_batch_tokens > 0:
+        return _simulate_batched(workload, policy, reject, cluster, tie_break, seed, router_factory, scenario, router_options or {})
     if cluster.decode_instances > 0:
         return _simulate_pd(
             workload, policy, reject, cluster, tie_break, seed, router_factory, progress, scenario, router_options or {}, python_random
@@ -416,4 +428,117 @@ def _simulate_pd(
         never_fit=no_room,
         transferred_tokens=transferred_tokens,
     )
+    return result
+
+
+def _simulate_batched(
+    workload: Workload,
+    policy: str,
+    reject: bool,
+    cluster: ClusterConfig,
+    tie_break: str,
+    seed: int,
+    router_factory: RouterFactory,
+    scenario: str | None,
+    router_options: dict[str, Any],
+) -> RunResult:
+    """Unified mode with the seed 003 chapter's prefill batching (`ClusterConfig.prefill_batch_tokens`).
+
+    Events run in time order: a routed request joins its instance's pending list; an idle
+    instance closes a batch ``prefill_batch_wait_s`` after the first request arrives, a busy one
+    when its current batch ends. A batch takes pending requests shortest prompt first while their
+    prompt tokens fit the budget (at least one), reads and fills the cache at its start (KV events
+    as in `simulate`), and runs for its uncached tokens / speed; its requests' TTFT is its end
+    minus their arrival. The Router is told `finished` at that end."""
+    index = KvIndex()
+    router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **router_options)
+    n_e = cluster.instances
+    engines = _core.PrefillEngines(
+        list(range(n_e)),
+        capacity_blocks=cluster.cache_blocks,
+        tokens_per_s=float(cluster.speed),
+        block_size=workload.block_size,
+        index=index,
+        event_lag=float(cluster.event_lag),
+        shared_cache=cluster.shared_cache,
+    )
+    bs = workload.block_size
+    arrival = workload.arrival.tolist()
+    num_tokens = workload.num_tokens.tolist()
+    out_tokens = workload.output_tokens.tolist()
+    offsets = workload.hash_offsets.tolist()
+    ends = [min(offsets[i + 1], offsets[i] + nt // bs) for i, nt in enumerate(num_tokens)]
+    hashes = workload.hashes
+    budget, wait = cluster.prefill_batch_tokens, cluster.prefill_batch_wait_s
+    pending: list[list[int]] = [[] for _ in range(n_e)]
+    busy_until = [0.0] * n_e
+    scheduled = [False] * n_e
+    # (time, kind, x): kind 0 = instance x closes a batch, 1 = request x finished.
+    events: list[tuple[float, int, int]] = []
+    ttfts: list[float] = []
+    rejected = hit_tokens = total_tokens = batches = 0
+    misses_by_reason: dict[str, int] = {}
+
+    def run_batch(e: int, t: float) -> None:
+        nonlocal hit_tokens, total_tokens, batches
+        queue = sorted(pending[e], key=lambda r: (num_tokens[r], r))
+        batch: list[int] = []
+        used = 0
+        for r in queue:
+            if not batch or used + num_tokens[r] <= budget:
+                batch.append(r)
+                used += num_tokens[r]
+        taken = set(batch)
+        pending[e] = [r for r in pending[e] if r not in taken]
+        work = 0
+        for r in batch:
+            _, hit, _, _ = engines.prefill(e, hashes[offsets[r] : ends[r]], num_tokens[r], t)
+            hit_tokens += hit
+            total_tokens += num_tokens[r]
+            work += num_tokens[r] - hit
+        end = t + work / cluster.speed
+        batches += 1
+        busy_until[e] = end
+        for r in batch:
+            ttfts.append(end - arrival[r])
+            heapq.heappush(events, (end, 1, r))
+        if pending[e]:
+            heapq.heappush(events, (end, 0, e))
+        else:
+            scheduled[e] = False
+
+    def run_events(until: float) -> None:
+        while events and events[0][0] <= until:
+            t, kind, x = heapq.heappop(events)
+            if kind == 0:
+                run_batch(x, t)
+            else:
+                router.finished(x, now=t)
+
+    for i in range(len(arrival)):
+        t = arrival[i]
+        run_events(t)
+        engines.advance(t)
+        hs = hashes[offsets[i] : ends[i]]
+        d = router.route(hashes=hs, num_tokens=num_tokens[i], now=t, request_id=i, output_tokens=out_tokens[i] or None)
+        if not d.admitted:
+            rejected += 1
+            misses_by_reason[d.reason] = misses_by_reason.get(d.reason, 0) + 1
+            continue
+        e = d.worker
+        pending[e].append(i)
+        if not scheduled[e]:
+            scheduled[e] = True
+            heapq.heappush(events, (max(t + wait, busy_until[e]), 0, e))
+    run_events(math.inf)
+    result = summarize(
+        ttfts,
+        requests=len(arrival),
+        rejected=rejected,
+        hit_tokens=hit_tokens,
+        total_tokens=total_tokens,
+        slo=cluster.slo,
+        **_run_labels(workload, scenario, policy, reject, tie_break),
+    )
+    result.extra.update(rejected_by=misses_by_reason, events_published=engines.events_published, prefill_batches=batches)
     return result
