@@ -117,7 +117,8 @@ impl HolderArena {
             self.scratch.truncate(3 * used);
         }
         let stride = used;
-        let count: u32 = (0..stride).map(|w| (self.scratch[w] | self.scratch[stride + w] | self.scratch[2 * stride + w]).count_ones()).sum();
+        let count: u32 =
+            (0..stride).map(|w| (self.scratch[w] | self.scratch[stride + w] | self.scratch[2 * stride + w]).count_ones()).sum();
         if count == 0 {
             return EMPTY;
         }
@@ -283,6 +284,12 @@ impl HolderArena {
                 (nh, before & !tiers == 0)
             }
         }
+    }
+
+    /// Spilled sets in use (tests: sharing and freeing).
+    #[cfg(test)]
+    pub fn live_sets(&self) -> usize {
+        self.refs.iter().filter(|&&r| r > 0).count()
     }
 
     /// Frees whatever `h` owns (before a node is deleted).

@@ -284,3 +284,43 @@ fn long_stores_yield_while_blocks_they_chain_under_are_removed() {
         assert_eq!(depth(&idx, c, 7), Some(100), "chain {k}");
     }
 }
+
+fn live_sets(idx: &KvIndex) -> usize {
+    (0..NUM_SHARDS).map(|s| idx.shard(s).read().arena.live_sets()).sum()
+}
+
+#[test]
+fn turns_taken_over_by_another_worker_share_one_holder_set() {
+    let idx = KvIndex::new(None);
+    let c = chain(8, 40);
+    // Worker 1 stores a session in turns, each under its parent; worker 2 takes the conversation
+    // over and prefills the first 30 blocks, then stores the next turn alone.
+    for t in (0..30).step_by(5) {
+        idx.store(1, &c[t..t + 5], (t > 0).then(|| c[t - 1]), Tier::Device).unwrap();
+    }
+    idx.store(2, &c[..16], None, Tier::Device).unwrap();
+    idx.store(2, &c[16..30], Some(c[15]), Tier::Device).unwrap();
+    idx.store(2, &c[30..40], Some(c[29]), Tier::Device).unwrap();
+    assert_eq!(live_sets(&idx), 1, "30 blocks held by {{1, 2}}: one set");
+    assert_eq!(depth(&idx, &c, 1), Some(30));
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    // A middle removal gives that block its own (inline) holders; the others keep sharing.
+    idx.remove(1, &c[12..13], ANY_TIER);
+    assert_eq!(depth(&idx, &c, 1), Some(12));
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    assert_eq!(live_sets(&idx), 1);
+    // A host copy of one block is another holder pattern, so another set.
+    idx.store(1, &c[20..21], Some(c[19]), Tier::Host).unwrap();
+    assert_eq!(live_sets(&idx), 2);
+    assert_eq!(idx.find_matches(&c, Tier::Host.bit()).get(1), None, "host holds block 20 only");
+    // Stored again, the block rejoins the shared set.
+    idx.store(1, &c[12..13], Some(c[11]), Tier::Device).unwrap();
+    assert_eq!(depth(&idx, &c, 1), Some(30));
+    assert_eq!(live_sets(&idx), 2);
+    assert_eq!(idx.stats().entries, 30 + 40);
+    idx.remove_worker(1);
+    assert_eq!(live_sets(&idx), 0, "one holder left everywhere: no set is kept");
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    idx.clear(2);
+    assert!(idx.is_empty());
+}
