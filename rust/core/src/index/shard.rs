@@ -46,6 +46,25 @@ pub(crate) struct Node {
     pub children: u32,
 }
 
+fn is_reserved(nodes: &Slab<Node>, i: usize) -> bool {
+    nodes.get(i).is_some_and(|n| n.parent == FREE && n.children == RESERVED)
+}
+
+/// The slot right after `p` if it is reserved for `p`'s run or is the slab's end (then pushed,
+/// as a free placeholder the caller overwrites): where `p`'s first child goes without a move.
+fn take_after(nodes: &mut Slab<Node>, p: u32) -> Option<u32> {
+    let after = p as usize + 1;
+    if is_reserved(nodes, after) {
+        nodes[after].children = 0;
+        return Some(after as u32);
+    }
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
+        return Some(after as u32);
+    }
+    None
+}
+
 #[derive(Default)]
 pub(crate) struct Shard {
     pub nodes: Slab<Node>,
@@ -141,33 +160,52 @@ impl Shard {
     /// Returns (node, created); `None` when the shard is full. `grow` may move `parent` and the
     /// run it ends (never an orphan root), so callers must not hold other node indices across it.
     pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u32, grow: bool) -> Option<(u32, bool)> {
+        let grow = grow && parent < FREE && self.nodes[parent as usize].children == 0;
         let nodes = &self.nodes;
-        if let Some(&i) = self.table.find(mix(h), |&i| nodes[i as usize].hash == h) {
-            return Some((i, false));
-        }
+        let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
+            hashbrown::hash_table::Entry::Occupied(o) => return Some((*o.get(), false)),
+            hashbrown::hash_table::Entry::Vacant(v) => v,
+        };
         let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
-        let (i, parent) =
-            match (grow && parent < FREE && self.nodes[parent as usize].children == 0).then(|| self.slot_under(parent)).flatten() {
-                Some((i, p)) => {
-                    self.nodes[i as usize] = Node { parent: p, ..node };
-                    (i, p)
-                }
-                None => match self.free.pop() {
+        // One table probe, unless the run under `parent` must move (rare: amortised).
+        let (i, parent) = match grow.then(|| take_after(&mut self.nodes, parent)).flatten() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                vacant.insert(i);
+                (i, parent)
+            }
+            None if grow => {
+                // (`vacant` is not used on this path, so its borrow of the table ends here.)
+                let placed = self.slot_under(parent);
+                let (i, parent) = match placed {
+                    Some((i, p)) => {
+                        self.nodes[i as usize] = Node { parent: p, ..node };
+                        (i, p)
+                    }
+                    None => (self.place(node)?, parent),
+                };
+                let nodes = &self.nodes;
+                self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
+                (i, parent)
+            }
+            None => {
+                let i = match self.free.pop() {
                     Some(i) => {
                         self.nodes[i as usize] = node;
-                        (i, parent)
+                        i
                     }
                     None => {
                         if self.nodes.len() >= MAX_NODES_PER_SHARD {
                             return None;
                         }
                         self.nodes.push(node);
-                        ((self.nodes.len() - 1) as u32, parent)
+                        (self.nodes.len() - 1) as u32
                     }
-                },
-            };
-        let nodes = &self.nodes;
-        self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
+                };
+                vacant.insert(i);
+                (i, parent)
+            }
+        };
         if parent < FREE {
             self.nodes[parent as usize].children += 1;
         }
@@ -175,8 +213,23 @@ impl Shard {
         Some((i, true))
     }
 
+    /// Puts `node` in a free slot or at the slab's end; `None` when the shard is full.
+    fn place(&mut self, node: Node) -> Option<u32> {
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                Some(i)
+            }
+            None if self.nodes.len() >= MAX_NODES_PER_SHARD => None,
+            None => {
+                self.nodes.push(node);
+                Some((self.nodes.len() - 1) as u32)
+            }
+        }
+    }
+
     fn is_reserved(&self, i: usize) -> bool {
-        self.nodes.get(i).is_some_and(|n| n.parent == FREE && n.children == RESERVED)
+        is_reserved(&self.nodes, i)
     }
 
     /// A slot right after leaf `p` for its first child, and `p`'s index then: runs grow in place.
@@ -186,14 +239,8 @@ impl Shard {
     /// end of the slab with room reserved after it, twice its length: amortised growth like a
     /// vector's. `None` when `p` cannot be moved (an orphan root) or the shard is full.
     fn slot_under(&mut self, p: u32) -> Option<(u32, u32)> {
-        let after = p as usize + 1;
-        if self.is_reserved(after) {
-            self.nodes[after].children = 0;
-            return Some((after as u32, p));
-        }
-        if after == self.nodes.len() && after < MAX_NODES_PER_SHARD {
-            self.nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
-            return Some((after as u32, p));
+        if let Some(i) = take_after(&mut self.nodes, p) {
+            return Some((i, p));
         }
         // The run's tail: p and the nodes before it that chain into it and have no other child.
         let mut start = p as usize;
