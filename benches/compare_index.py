@@ -1,6 +1,6 @@
 """kvroute's index and hashing side by side with NVIDIA Dynamo's `RadixTree`, same workload, same run.
 
-Usage: python benches/compare_index.py [--quick] [--json PATH]
+Usage: python benches/compare_index.py [--workload interleaved|in-order] [--quick] [--json PATH]
 Prints one table (ours, Dynamo's, ratio); Dynamo columns are skipped if ai-dynamo-runtime is absent.
 Concurrent reads are measured on the core (`cargo bench -p kvroute-core --bench concurrency`):
 Python threads cannot show them for ~1 us calls, since the GIL hand-off costs more than the call.
@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import kvroute
 from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree
-from workload import Session, chat_workload, long_sessions
+from workload import Stream, chat_workload, in_order_stream, interleaved_workload, long_sessions
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -42,12 +42,28 @@ def time_calls(fn, args_list, repeat: int) -> list[float]:
     return out
 
 
-def build_kvroute(sessions: list[Session], batch: int) -> tuple[kvroute.KvIndex, float, int]:
+def store_args(stream: Stream) -> list[tuple[int, np.ndarray, int | None]]:
+    """The stream's stores as `KvIndex.store` arguments (worker, hashes, parent)."""
+    out = []
+    for st in stream.stores:
+        seq = stream.sessions[st.session].seq
+        out.append((st.worker, seq[st.start : st.end], int(seq[st.start - 1]) if st.start else None))
+    return out
+
+
+def dynamo_events(stream: Stream) -> list[tuple[int, bytes]]:
+    lists = [(s.seq.tolist(), s.local.tolist()) for s in stream.sessions]
+    out = []
+    for eid, st in enumerate(stream.stores):
+        seq, loc = lists[st.session]
+        parent = seq[st.start - 1] if st.start else None
+        out.append((st.worker, dynamo_stored_event(eid, seq[st.start : st.end], loc[st.start : st.end], parent)))
+    return out
+
+
+def build_kvroute(stream: Stream) -> tuple[kvroute.KvIndex, float, int]:
     idx = kvroute.KvIndex()
-    work = []
-    for s in sessions:
-        for i in range(0, len(s.seq), batch):
-            work.append((s.worker, s.seq[i : i + batch], int(s.seq[i - 1]) if i else None))
+    work = store_args(stream)
     t = time.perf_counter()
     for w, hs, p in work:
         idx.store(w, hs, parent=p)
@@ -55,20 +71,23 @@ def build_kvroute(sessions: list[Session], batch: int) -> tuple[kvroute.KvIndex,
     return idx, dt, sum(len(x[1]) for x in work)
 
 
-def build_dynamo(sessions: list[Session], batch: int):
+def build_dynamo(stream: Stream):
     tree = dynamo_tree()
-    events = []
-    eid = 0
-    for s in sessions:
-        seq, loc = s.seq.tolist(), s.local.tolist()
-        for i in range(0, len(seq), batch):
-            events.append((s.worker, dynamo_stored_event(eid, seq[i : i + batch], loc[i : i + batch], seq[i - 1] if i else None)))
-            eid += 1
-    blocks = sum(len(s.seq) for s in sessions)
+    events = dynamo_events(stream)
+    blocks = sum(st.end - st.start for st in stream.stores)
     t = time.perf_counter()
     for w, e in events:
         tree.apply_event(w, e)
     return tree, time.perf_counter() - t, blocks
+
+
+def make_streams(workload: str, workers: int, entries: int) -> list[tuple[str, Stream]]:
+    """(label, stream) pairs to build; the last one is the index that is matched against."""
+    if workload == "in-order":
+        sessions = chat_workload(workers, entries)
+        return [(f"{b}-block events", in_order_stream(sessions, b)) for b in (16, 64)]
+    # A smaller stream (--quick) keeps fewer sessions open, so that some still reach 1024 blocks.
+    return [("interleaved turns", interleaved_workload(workers, entries, open_sessions=128 if entries >= 1_000_000 else 32))]
 
 
 def rss_bytes() -> int:
@@ -76,43 +95,38 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_child(which: str, workers: int, entries: int) -> None:
+def memory_child(which: str, workload: str, workers: int, entries: int) -> None:
     """Runs in a subprocess: RSS growth from building the index, per (block, worker) entry."""
-    sessions = chat_workload(workers, entries)
+    stream = make_streams(workload, workers, entries)[-1][1]
     if which == "dynamo":  # events are built before measuring, then dropped as they are applied
         tree = dynamo_tree()
-        evs = []
-        eid = 0
-        for s in sessions:
-            seq, loc = s.seq.tolist(), s.local.tolist()
-            for i in range(0, len(seq), 64):
-                evs.append((s.worker, dynamo_stored_event(eid, seq[i : i + 64], loc[i : i + 64], seq[i - 1] if i else None)))
-                eid += 1
+        evs = dynamo_events(stream)
+        del stream
         gc.collect()
         before = rss_bytes() - sum(len(e) for _, e in evs)
         for k in range(len(evs)):
             tree.apply_event(*evs[k])
             evs[k] = None  # type: ignore[call-overload]
         gc.collect()
-        used = rss_bytes() - before
-        entries_n = None
-    else:
-        gc.collect()
-        before = rss_bytes()
-        idx = kvroute.KvIndex()
-        for s in sessions:
-            for i in range(0, len(s.seq), 64):
-                idx.store(s.worker, s.seq[i : i + 64], parent=int(s.seq[i - 1]) if i else None)
-        used = rss_bytes() - before
-        entries_n = idx.stats()["entries"]
-        print(json.dumps({"used": used, "entries": entries_n, "estimated": idx.stats()["estimated_bytes"]}))
+        print(json.dumps({"used": rss_bytes() - before}))
         return
-    print(json.dumps({"used": used, "entries": entries_n}))
+    work = store_args(stream)
+    gc.collect()
+    before = rss_bytes()
+    idx = kvroute.KvIndex()
+    for w, hs, p in work:
+        idx.store(w, hs, parent=p)
+    used = rss_bytes() - before
+    st = idx.stats()
+    print(json.dumps({"used": used, "entries": st["entries"], "estimated": st["estimated_bytes"]}))
 
 
-def measure_memory(which: str, workers: int, entries: int) -> dict:
+def measure_memory(which: str, workload: str, workers: int, entries: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", which, str(workers), str(entries)], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--memory-child", which, workload, str(workers), str(entries)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -121,15 +135,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller workload (~200k entries) for a fast check")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON")
-    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--workload",
+        choices=["interleaved", "in-order"],
+        default="interleaved",
+        help="interleaved: small turns of many open sessions, as engines publish them (default); "
+        "in-order: each session stored whole in 16- or 64-block batches",
+    )
+    ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.memory_child:
-        memory_child(a.memory_child[0], int(a.memory_child[1]), int(a.memory_child[2]))
+        memory_child(a.memory_child[0], a.memory_child[1], int(a.memory_child[2]), int(a.memory_child[3]))
         return
     entries = 200_000 if a.quick else 1_000_000
     dyn = dynamo_available()
     rows: list[tuple[str, float, float | None, str]] = []  # (metric, ours, theirs, unit)
-    results: dict = {"entries": entries, "python": platform.python_version(), "dynamo": dyn}
+    results: dict = {"entries": entries, "workload": a.workload, "python": platform.python_version(), "dynamo": dyn}
 
     def row(name: str, ours: float, theirs: float | None, unit: str) -> None:
         rows.append((name, ours, theirs, unit))
@@ -145,17 +166,17 @@ def main() -> None:
     row("block_hashes 8192 tok, list (us p50)", ours_list, theirs, "us")
 
     for workers in (8, 64):
-        sessions = chat_workload(workers, entries)
-        for batch in (16, 64):
-            idx, dt, n = build_kvroute(sessions, batch)
+        streams = make_streams(a.workload, workers, entries)
+        sessions = streams[-1][1].sessions
+        tree = None
+        for label, stream in streams:
+            idx, dt, n = build_kvroute(stream)
             ours = n / dt
             theirs = None
             if dyn:
-                tree, dt2, n2 = build_dynamo(sessions, batch)
+                tree, dt2, n2 = build_dynamo(stream)
                 theirs = n2 / dt2
-                del tree
-            row(f"W={workers} store, {batch}-block events (blocks/s)", ours, theirs, "blocks/s")
-        tree = build_dynamo(sessions, 64)[0] if dyn else None
+            row(f"W={workers} store, {label} (blocks/s)", ours, theirs, "blocks/s")
         for blocks in (128, 1024):
             qs = long_sessions(sessions, blocks)[:300]
             q_seq = [s.seq[:blocks] for s in qs]
@@ -180,8 +201,8 @@ def main() -> None:
             )
         del tree
         if workers == 64:
-            mo = measure_memory("kvroute", workers, entries)
-            md = measure_memory("dynamo", workers, entries) if dyn else None
+            mo = measure_memory("kvroute", a.workload, workers, entries)
+            md = measure_memory("dynamo", a.workload, workers, entries) if dyn else None
             row(
                 "W=64 memory, RSS bytes per (block, worker) entry",
                 mo["used"] / mo["entries"],
@@ -192,7 +213,7 @@ def main() -> None:
         del idx
 
     print(
-        f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n"
+        f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; {a.workload} workload, ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n"
     )
     w = max(len(r[0]) for r in rows)
     print(f"{'metric':<{w}}  {'kvroute':>12}  {'dynamo':>12}  {'ratio':>8}")

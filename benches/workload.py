@@ -1,9 +1,13 @@
-"""The chat-like index workload shared by the index benchmarks: a few hundred system prompts,
-sessions that extend them, spread over W workers; deterministic for a seed."""
+"""The index workloads shared by the index benchmarks, deterministic for a seed.
+
+`chat_workload` (in-order): a few hundred system prompts, sessions that extend them, each stored
+whole in fixed-size batches on one worker. `interleaved_workload`: the shape of a real engine's
+event stream, many sessions open at once, each turn one small store under its parent.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kvroute
 import numpy as np
@@ -14,6 +18,22 @@ class Session:
     worker: int
     local: np.ndarray  # local block hashes (Dynamo's `tokens_hash`)
     seq: np.ndarray  # chained sequence hashes (Dynamo's `block_hash`)
+
+
+@dataclass
+class Store:
+    """One store event: `worker` stores `sessions[session].seq[start:end]` under block `start - 1`."""
+
+    worker: int
+    session: int
+    start: int
+    end: int
+
+
+@dataclass
+class Stream:
+    sessions: list[Session]
+    stores: list[Store] = field(default_factory=list)
 
 
 def chat_workload(
@@ -35,6 +55,104 @@ def chat_workload(
         entries += extra + (0 if (p, w) in held else prompt_blocks)
         held.add((p, w))
     return out
+
+
+def in_order_stream(sessions: list[Session], batch: int) -> Stream:
+    """`chat_workload` sessions stored one after another in `batch`-block stores."""
+    stores = [Store(s.worker, k, i, min(i + batch, len(s.seq))) for k, s in enumerate(sessions) for i in range(0, len(s.seq), batch)]
+    return Stream(sessions, stores)
+
+
+def interleaved_workload(
+    workers: int,
+    target_entries: int = 1_000_000,
+    seed: int = 0,
+    open_sessions: int = 128,
+    prompts: int = 256,
+    switch: float = 0.05,
+    chunk: int = 16,
+) -> Stream:
+    """A live event stream: `open_sessions` conversations at a time, each on a system prompt drawn
+    Zipf(1.1) from `prompts` prompts of 4-64 blocks, all behind one common block 0; a session
+    grows to 16-1200 blocks in turns of 2-16 blocks, one store per turn under its parent (the
+    session's previous last block), the turns of all open sessions interleaved at random.
+
+    A fraction `switch` of turns go to another worker than the previous turn. That worker does what
+    an engine does with a prompt it has not cached: it computes the whole prompt from the deepest
+    block it holds (block 0 and the system prompt are usually there already) and stores the
+    missing blocks, in stores of at most `chunk` blocks (chunked prefill), the first one under
+    the deepest block it holds, one chunk each time the session comes up (so prefill chunks too
+    are interleaved with the other sessions' turns). So every store's parent is held by the storing worker, as in a
+    real engine's stream (which is also what Dynamo's per-worker tree requires).
+    Stops once about `target_entries` (block, worker) entries have been stored."""
+    rng = np.random.default_rng(seed)
+    common = rng.integers(0, 2**63, size=1, dtype=np.uint64)
+    sys_len = rng.integers(4, 65, size=prompts)
+    systems = [np.concatenate([common, rng.integers(0, 2**63, size=int(n), dtype=np.uint64)]) for n in sys_len]
+    zipf = 1.0 / np.arange(1, prompts + 1) ** 1.1
+    zipf /= zipf.sum()
+    sessions: list[Session] = []
+    lengths: list[int] = []  # each session's final length
+    stored: list[int] = []  # blocks of each session stored so far (by anyone)
+    last_worker: list[int] = []
+    depth: list[dict[int, int]] = []  # per session: worker -> blocks of the session it holds
+    prompt_of: list[int] = []
+    sys_held: dict[tuple[int, int], int] = {}  # (prompt, worker) -> blocks of the prompt held
+    stream = Stream(sessions)
+    entries = 0
+
+    def open_one() -> int:
+        p = int(rng.choice(prompts, p=zipf))
+        n = max(int(rng.integers(16, 1201)), len(systems[p]) + 2)
+        local = np.concatenate([systems[p], rng.integers(0, 2**63, size=n - len(systems[p]), dtype=np.uint64)])
+        sessions.append(Session(int(rng.integers(workers)), local, kvroute.chain_hashes(local)))
+        lengths.append(n)
+        stored.append(0)
+        last_worker.append(sessions[-1].worker)
+        depth.append({})
+        prompt_of.append(p)
+        return len(sessions) - 1
+
+    pending: dict[int, tuple[int, int]] = {}  # session -> (worker, turn end) of a turn in prefill
+    live = [open_one() for _ in range(open_sessions)]
+    while entries < target_entries:
+        slot = int(rng.integers(len(live)))
+        k = live[slot]
+        p, sys_n = prompt_of[k], len(systems[prompt_of[k]])
+        if k in pending:
+            w, end = pending.pop(k)
+        else:
+            w = last_worker[k]
+            if stored[k] and workers > 1 and rng.random() < switch:
+                w = (w + 1 + int(rng.integers(workers - 1))) % workers
+            # The first turn is the system prompt plus 2-16 blocks.
+            end = min(max(stored[k], sys_n) + int(rng.integers(2, 17)), lengths[k])
+        # The deepest block of this prompt the worker holds: its own turns, else the system prompt.
+        have = depth[k].get(w, 0)
+        if have < sys_n:
+            have = max(have, sys_held.get((p, w), 0), sys_held.get((-1, w), 0))
+        j = min(have + chunk, end)
+        stream.stores.append(Store(w, k, have, j))
+        entries += j - have
+        depth[k][w] = j
+        if j >= sys_n:
+            sys_held[(p, w)] = sys_n
+        sys_held[(-1, w)] = 1  # block 0
+        if j < end:  # still prefilling a prompt it had not cached: the next chunk on a later pick
+            pending[k] = (w, end)
+            continue
+        stored[k] = end
+        last_worker[k] = w
+        if end >= lengths[k]:
+            live[slot] = open_one()
+    # Sessions are as long as what was stored of them (the stream stops mid-conversation).
+    top = [0] * len(sessions)
+    for st in stream.stores:
+        top[st.session] = max(top[st.session], st.end)
+    for k, s in enumerate(sessions):
+        s.local, s.seq = s.local[: top[k]], s.seq[: top[k]]
+        s.worker = last_worker[k]
+    return stream
 
 
 def long_sessions(sessions: list[Session], blocks: int) -> list[Session]:

@@ -102,7 +102,82 @@ class CappedIndexMachine(IndexMachine):
     cap = 12
 
 
+def make_sessions(seed: int) -> tuple[list[list[int]], dict[int, int | None]]:
+    """Conversations as engines store them: one common block 0, two system prompts behind it,
+    and sessions of 6-20 blocks on those prompts."""
+    rng = random.Random(seed)
+    zero = rng.getrandbits(64)
+    prompts = [[zero] + [rng.getrandbits(64) for _ in range(rng.randint(1, 3))] for _ in range(2)]
+    paths = [rng.choice(prompts) + [rng.getrandbits(64) for _ in range(rng.randint(4, 16))] for _ in range(4)]
+    parent_of: dict[int, int | None] = {}
+    for p in paths:
+        for i, h in enumerate(p):
+            parent_of[h] = p[i - 1] if i else None
+    return paths, parent_of
+
+
+class FragmentedIndexMachine(IndexMachine):
+    """Event streams as real engines publish them: each session grows by small turns stored under
+    their parent at any later time, interleaved with the other sessions' turns; a turn may go to
+    another worker (which prefills the prefix it lacks), arrive before its parent (an orphan,
+    adopted when the parent comes), lose a block in the middle, or be stored again."""
+
+    @initialize(seed=st.integers(0, 2**16))
+    def setup(self, seed: int) -> None:
+        self.paths, parent_of = make_sessions(seed)
+        self.model = IndexModel(parent_of)
+        self.index = kvroute.KvIndex(max_nodes=self.cap)
+        self.grown: dict[tuple[int, int], int] = {}  # (session, worker) -> blocks stored in turns
+
+    def _store(self, worker: int, path: list[int], i: int, j: int, tier: str = "device") -> None:
+        self.index.store(worker, path[i:j], parent=path[i - 1] if i else None, tier=tier)
+        self.model.store(worker, path[i:j], tier)
+
+    @rule(session=st.integers(0, 3), worker=st.integers(0, 3), size=st.integers(1, 4), data=st.data())
+    def turn(self, session: int, worker: int, size: int, data: st.DataObject) -> None:
+        p = self.paths[session]
+        k = self.grown.get((session, worker), 0)
+        if k >= len(p):
+            return
+        if k == 0 and data.draw(st.booleans()):
+            # Another worker took the conversation over: it prefills what the session has so far.
+            k = max((v for (s, _w), v in self.grown.items() if s == session), default=0)
+            if k:
+                self._store(worker, p, 0, k)
+        self._store(worker, p, k, min(k + size, len(p)))
+        self.grown[(session, worker)] = min(k + size, len(p))
+
+    @rule(session=st.integers(0, 3), worker=st.integers(0, 3), data=st.data())
+    def turn_before_parent(self, session: int, worker: int, data: st.DataObject) -> None:
+        """A turn whose parent turn has not arrived yet."""
+        p = self.paths[session]
+        i = data.draw(st.integers(1, len(p) - 1))
+        self._store(worker, p, i, min(i + data.draw(st.integers(1, 4)), len(p)))
+
+    @rule(session=st.integers(0, 3), worker=st.integers(0, 4), tier=st.sampled_from([None, *TIERS]), data=st.data())
+    def remove_middle(self, session: int, worker: int, tier: str | None, data: st.DataObject) -> None:
+        p = self.paths[session]
+        i = data.draw(st.integers(1, len(p) - 1))
+        self.index.remove(worker, [p[i]], tier=tier)
+        self.model.remove(worker, [p[i]], tier)
+
+    @rule(session=st.integers(0, 3), worker=st.integers(0, 3), tier=st.sampled_from(TIERS), data=st.data())
+    def restore(self, session: int, worker: int, tier: str, data: st.DataObject) -> None:
+        """A block stored again (after a removal, or on another tier)."""
+        p = self.paths[session]
+        i = data.draw(st.integers(0, len(p) - 1))
+        self._store(worker, p, i, i + 1, tier)
+
+
+class CappedFragmentedIndexMachine(FragmentedIndexMachine):
+    cap = 16
+
+
 TestIndexModel = IndexMachine.TestCase
 TestIndexModel.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 TestCappedIndexModel = CappedIndexMachine.TestCase
 TestCappedIndexModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestFragmentedIndexModel = FragmentedIndexMachine.TestCase
+TestFragmentedIndexModel.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestCappedFragmentedIndexModel = CappedFragmentedIndexMachine.TestCase
+TestCappedFragmentedIndexModel.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)

@@ -6,13 +6,22 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use kvroute_core::{KvIndex, MatchScratch, Matches, ANY_TIER, DEFAULT_SEED};
 
 mod common;
-use common::{build, chat_workload};
+use common::{build, build_stream, chat_workload, interleaved_stream, Session};
 
 fn bench_match(c: &mut Criterion) {
     let sessions = chat_workload(64, 1_000_000, 1);
     let idx = KvIndex::new(None);
     build(&idx, &sessions, 64);
-    let mut g = c.benchmark_group("match");
+    match_group(c, "match", &idx, &sessions);
+    drop(idx);
+    let (sessions, stores) = interleaved_stream(64, 1_000_000, 1);
+    let idx = KvIndex::new(None);
+    build_stream(&idx, &sessions, &stores);
+    match_group(c, "match_interleaved", &idx, &sessions);
+}
+
+fn match_group(c: &mut Criterion, name: &str, idx: &KvIndex, sessions: &[Session]) {
+    let mut g = c.benchmark_group(name);
     for blocks in [128usize, 1024] {
         let qs: Vec<&[u64]> = sessions.iter().filter(|s| s.seq.len() >= blocks).take(256).map(|s| &s.seq[..blocks]).collect();
         let (mut scratch, mut out) = (MatchScratch::default(), Matches::default());

@@ -1,5 +1,9 @@
 //! Per-node worker membership: which workers hold a block, and on which tiers.
-//! One worker is encoded inline in a `u32`; more spill into a per-shard bitset arena.
+//! One worker is encoded inline in a `u32`; more spill into a per-shard arena of interned bitsets.
+
+use hashbrown::HashTable;
+
+use super::shard::mix;
 
 /// Storage tier of a cached block (vLLM's and SGLang's `medium`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,49 +81,117 @@ pub(crate) struct Added {
 }
 
 /// Arena of spilled worker bitsets. A set is `[device words | host words | disk words]`,
-/// each `stride` words long, bit `slot % 64` of word `slot / 64`.
+/// each `stride` words long (the fewest that hold its highest slot), bit `slot % 64` of word
+/// `slot / 64`.
+///
+/// Sets are interned: blocks with the same holders share one set (a session's blocks usually
+/// do: every block a second worker prefilled holds the same two workers). That is one set per
+/// holder pattern instead of one per block, and a match sees equal encodings on consecutive
+/// blocks, so it skips their intersection and never reads the set again.
 #[derive(Default)]
 pub(crate) struct HolderArena {
     sets: Vec<Vec<u64>>,
+    /// Blocks using each set; 0 for a free set.
+    refs: Vec<u32>,
     free: Vec<u32>,
+    /// Set indices by content.
+    interned: HashTable<u32>,
+    /// The set being built by `add`/`remove`, compared against interned ones before it is copied.
+    scratch: Vec<u64>,
+}
+
+fn content_hash(words: &[u64]) -> u64 {
+    words.iter().fold(words.len() as u64, |acc, &w| mix(acc ^ w))
 }
 
 impl HolderArena {
-    fn alloc(&mut self, stride: usize) -> u32 {
-        let words = vec![0u64; 3 * stride];
-        match self.free.pop() {
+    /// The encoding of the holders in `scratch` (trimmed to its canonical stride), sharing an
+    /// interned set when one has the same content.
+    fn intern_scratch(&mut self) -> Holders {
+        let stride = self.scratch.len() / 3;
+        let used = (0..stride).rev().find(|&w| (0..3).any(|t| self.scratch[t * stride + w] != 0)).map_or(0, |w| w + 1);
+        if used < stride {
+            for t in 1..3 {
+                self.scratch.copy_within(t * stride..t * stride + used, t * used);
+            }
+            self.scratch.truncate(3 * used);
+        }
+        let stride = used;
+        let count: u32 =
+            (0..stride).map(|w| (self.scratch[w] | self.scratch[stride + w] | self.scratch[2 * stride + w]).count_ones()).sum();
+        if count == 0 {
+            return EMPTY;
+        }
+        if count == 1 {
+            let w = (0..stride).find(|&w| (self.scratch[w] | self.scratch[stride + w] | self.scratch[2 * stride + w]) != 0).unwrap_or(0);
+            let any = self.scratch[w] | self.scratch[stride + w] | self.scratch[2 * stride + w];
+            let bit = any.trailing_zeros();
+            let tiers = (0..3).filter(|&t| self.scratch[t * stride + w] >> bit & 1 != 0).fold(0u8, |m, t| m | 1 << t);
+            return single(w as u32 * 64 + bit, tiers);
+        }
+        let hash = content_hash(&self.scratch);
+        let sets = &self.sets;
+        let scratch = &self.scratch;
+        if let Some(&i) = self.interned.find(hash, |&i| sets[i as usize] == *scratch) {
+            self.refs[i as usize] += 1;
+            return (TAG_MANY << TAG_SHIFT) | i;
+        }
+        let words = scratch.clone();
+        let i = match self.free.pop() {
             Some(i) => {
                 self.sets[i as usize] = words;
+                self.refs[i as usize] = 1;
                 i
             }
             None => {
                 self.sets.push(words);
+                self.refs.push(1);
                 (self.sets.len() - 1) as u32
             }
-        }
+        };
+        let sets = &self.sets;
+        self.interned.insert_unique(hash, i, |&j| content_hash(&sets[j as usize]));
+        (TAG_MANY << TAG_SHIFT) | i
     }
 
+    /// Drops one block's use of set `i`, freeing it with the last.
     fn release(&mut self, i: u32) {
+        self.refs[i as usize] -= 1;
+        if self.refs[i as usize] > 0 {
+            return;
+        }
+        let hash = content_hash(&self.sets[i as usize]);
+        if let Ok(e) = self.interned.find_entry(hash, |&j| j == i) {
+            e.remove();
+        }
         self.sets[i as usize] = Vec::new();
         self.free.push(i);
     }
 
-    fn set_bit(&mut self, i: u32, slot: u32, tiers: TierMask) {
-        let set = &mut self.sets[i as usize];
-        let word = slot as usize / 64;
-        let stride = set.len() / 3;
-        if word >= stride {
-            let new_stride = word + 1;
-            let mut grown = vec![0u64; 3 * new_stride];
-            for t in 0..3 {
-                grown[t * new_stride..t * new_stride + stride].copy_from_slice(&set[t * stride..(t + 1) * stride]);
-            }
-            *set = grown;
+    /// Loads set `i` (or an empty set) into `scratch` with room for `slot`.
+    fn scratch_from(&mut self, i: Option<u32>, slot: u32) {
+        let old: &[u64] = i.map_or(&[], |i| &self.sets[i as usize]);
+        let stride = old.len() / 3;
+        let new_stride = stride.max(slot as usize / 64 + 1);
+        self.scratch.clear();
+        self.scratch.resize(3 * new_stride, 0);
+        for t in 0..3 {
+            self.scratch[t * new_stride..t * new_stride + stride].copy_from_slice(&old[t * stride..(t + 1) * stride]);
         }
-        let stride = set.len() / 3;
+    }
+
+    /// Sets (`on`) or clears `slot`'s bits for `tiers` in `scratch`.
+    fn scratch_bits(&mut self, slot: u32, tiers: TierMask, on: bool) {
+        let stride = self.scratch.len() / 3;
+        let word = slot as usize / 64;
         for t in 0..3 {
             if tiers & (1 << t) != 0 {
-                set[t * stride + word] |= 1u64 << (slot % 64);
+                let w = &mut self.scratch[t * stride + word];
+                if on {
+                    *w |= 1u64 << (slot % 64);
+                } else {
+                    *w &= !(1u64 << (slot % 64));
+                }
             }
         }
     }
@@ -144,10 +216,14 @@ impl HolderArena {
     pub fn bytes(&self) -> usize {
         self.sets.capacity() * std::mem::size_of::<Vec<u64>>()
             + self.sets.iter().map(|s| s.capacity() * 8).sum::<usize>()
+            + self.refs.capacity() * 4
             + self.free.capacity() * 4
+            + self.interned.capacity() * 5
+            + self.scratch.capacity() * 8
     }
 
-    /// Adds `slot` on tier `tier` to holders `h`; returns the new encoding.
+    /// Adds `slot` on tier `tier` to holders `h`; returns the new encoding. The old encoding is
+    /// given up (its set released) unless it is returned unchanged.
     pub fn add(&mut self, h: Holders, slot: u32, tier: TierMask) -> (Holders, Added) {
         match tag(h) {
             0 => (single(slot, tier), Added { new_entry: true, duplicate: false }),
@@ -156,24 +232,30 @@ impl HolderArena {
                 if s == slot {
                     (single(s, t | tier), Added { new_entry: false, duplicate: t & tier == tier })
                 } else {
-                    let stride = (s.max(slot) as usize) / 64 + 1;
-                    let i = self.alloc(stride);
-                    self.set_bit(i, s, t);
-                    self.set_bit(i, slot, tier);
-                    ((TAG_MANY << TAG_SHIFT) | i, Added { new_entry: true, duplicate: false })
+                    self.scratch_from(None, s.max(slot));
+                    self.scratch_bits(s, t, true);
+                    self.scratch_bits(slot, tier, true);
+                    (self.intern_scratch(), Added { new_entry: true, duplicate: false })
                 }
             }
             _ => {
                 let i = h & !(3 << TAG_SHIFT);
                 let before = self.tiers_of(i, slot);
-                self.set_bit(i, slot, tier);
-                (h, Added { new_entry: before == 0, duplicate: before & tier == tier })
+                if before & tier == tier {
+                    return (h, Added { new_entry: false, duplicate: true });
+                }
+                self.scratch_from(Some(i), slot);
+                self.scratch_bits(slot, tier, true);
+                let nh = self.intern_scratch();
+                self.release(i);
+                (nh, Added { new_entry: before == 0, duplicate: false })
             }
         }
     }
 
     /// Removes `slot` from `tiers` of holders `h`. Returns the new encoding and whether the
-    /// worker held the block before and no longer holds it on any tier.
+    /// worker held the block before and no longer holds it on any tier. A set left with one
+    /// holder becomes the inline encoding again.
     pub fn remove(&mut self, h: Holders, slot: u32, tiers: TierMask) -> (Holders, bool) {
         match tag(h) {
             0 => (h, false),
@@ -195,43 +277,19 @@ impl HolderArena {
                 if before & tiers == 0 {
                     return (h, false);
                 }
-                let set = &mut self.sets[i as usize];
-                let stride = set.len() / 3;
-                let word = slot as usize / 64;
-                for t in 0..3 {
-                    if tiers & (1 << t) != 0 {
-                        set[t * stride + word] &= !(1u64 << (slot % 64));
-                    }
-                }
-                let gone = before & !tiers == 0;
-                (self.shrink(i), gone)
+                self.scratch_from(Some(i), slot);
+                self.scratch_bits(slot, tiers, false);
+                let nh = self.intern_scratch();
+                self.release(i);
+                (nh, before & !tiers == 0)
             }
         }
     }
 
-    /// Re-encodes spilled set `i` as empty or single when it has at most one holder left.
-    fn shrink(&mut self, i: u32) -> Holders {
-        let set = &self.sets[i as usize];
-        let stride = set.len() / 3;
-        let mut count = 0u32;
-        let mut only = (0u32, 0u8);
-        for w in 0..stride {
-            let any = set[w] | set[stride + w] | set[2 * stride + w];
-            count += any.count_ones();
-            if count > 1 {
-                return (TAG_MANY << TAG_SHIFT) | i;
-            }
-            if any != 0 {
-                let slot = w as u32 * 64 + any.trailing_zeros();
-                only = (slot, self.tiers_of(i, slot));
-            }
-        }
-        self.release(i);
-        if count == 0 {
-            EMPTY
-        } else {
-            single(only.0, only.1)
-        }
+    /// Spilled sets in use (tests: sharing and freeing).
+    #[cfg(test)]
+    pub fn live_sets(&self) -> usize {
+        self.refs.iter().filter(|&&r| r > 0).count()
     }
 
     /// Frees whatever `h` owns (before a node is deleted).
@@ -342,5 +400,38 @@ mod tests {
         assert!(!gone);
         let (h, gone) = a.remove(h, 130, ANY_TIER);
         assert!(gone && is_empty(h));
+    }
+
+    #[test]
+    fn equal_sets_are_shared_and_freed_with_their_last_user() {
+        let mut a = HolderArena::default();
+        let pair = |a: &mut HolderArena| {
+            let (h, _) = a.add(EMPTY, 3, Tier::Device.bit());
+            a.add(h, 70, Tier::Host.bit()).0
+        };
+        let (x, y) = (pair(&mut a), pair(&mut a));
+        assert_eq!(x, y, "same holders, same set");
+        assert_eq!(a.sets.iter().filter(|s| !s.is_empty()).count(), 1);
+        // Adding to one block's set moves that block to a new set and leaves the other alone.
+        let (z, r) = a.add(x, 5, Tier::Device.bit());
+        assert!(r.new_entry && z != y);
+        assert_eq!(a.word(y, ANY_TIER, 0), 1 << 3);
+        assert_eq!(a.word(z, ANY_TIER, 0), 1 << 3 | 1 << 5);
+        // Removing the worker again lands on the shared set.
+        let (back, gone) = a.remove(z, 5, ANY_TIER);
+        assert!(gone);
+        assert_eq!(back, y);
+        assert_eq!(a.sets.iter().filter(|s| !s.is_empty()).count(), 1, "the three-holder set was freed");
+        // Removing slot 70 trims the stride and shrinks to the inline encoding.
+        let (one, _) = a.remove(back, 70, ANY_TIER);
+        assert_eq!(one >> TAG_SHIFT, TAG_SINGLE);
+        a.drop_holders(y);
+        assert!(a.sets.iter().all(|s| s.is_empty()), "no block uses a set any more");
+        assert_eq!(a.interned.len(), 0);
+        // A duplicate add keeps the encoding (and its reference) as it was.
+        let p = pair(&mut a);
+        let (q, r) = a.add(p, 70, Tier::Host.bit());
+        assert!(r.duplicate && q == p);
+        assert_eq!(a.refs[(p & !(3 << TAG_SHIFT)) as usize], 1);
     }
 }

@@ -380,7 +380,7 @@ impl KvIndex {
             }
             let (i, fresh) = match g.is_guess(h, prev, guess) {
                 true => (guess, false),
-                false => match g.find_or_create(h, prev, tick) {
+                false => match g.find_or_create(h, prev, tick, true) {
                     Some(x) => x,
                     None => {
                         full = true;

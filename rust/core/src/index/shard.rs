@@ -14,6 +14,15 @@ pub(crate) const ROOT: u32 = u32::MAX;
 pub(crate) const ORPHAN: u32 = u32::MAX - 1;
 /// `Node::parent` of a free slab slot.
 pub(crate) const FREE: u32 = u32::MAX - 2;
+/// `Node::children` of a free slot kept for the run that ends just before it (see
+/// `Shard::slot_under`); slots on the free list have 0.
+const RESERVED: u32 = 1;
+/// Longest run tail a store moves to grow a run in place, and the most slots a run reserves.
+const MAX_MOVE: usize = 128;
+pub(crate) const MAX_RUN: usize = 256;
+const MIN_RUN: usize = 8;
+/// Free slots beyond the live node count at which runs stop moving to the end of the slab.
+const HOLES_ALLOWED: usize = 1024;
 /// Largest node index a shard hands out.
 pub(crate) const MAX_NODES_PER_SHARD: usize = (u32::MAX - 3) as usize;
 
@@ -35,6 +44,25 @@ pub(crate) struct Node {
     /// Index of the parent node in this shard, or `ROOT` / `ORPHAN` / `FREE`.
     pub parent: u32,
     pub children: u32,
+}
+
+fn is_reserved(nodes: &Slab<Node>, i: usize) -> bool {
+    nodes.get(i).is_some_and(|n| n.parent == FREE && n.children == RESERVED)
+}
+
+/// The slot right after `p` if it is reserved for `p`'s run or is the slab's end (then pushed,
+/// as a free placeholder the caller overwrites): where `p`'s first child goes without a move.
+fn take_after(nodes: &mut Slab<Node>, p: u32) -> Option<u32> {
+    let after = p as usize + 1;
+    if is_reserved(nodes, after) {
+        nodes[after].children = 0;
+        return Some(after as u32);
+    }
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
+        return Some(after as u32);
+    }
+    None
 }
 
 #[derive(Default)]
@@ -120,7 +148,7 @@ impl Shard {
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
     /// `None` when the shard is full.
     pub fn create(&mut self, h: u64, parent: u32, tick: u32) -> Option<u32> {
-        match self.find_or_create(h, parent, tick) {
+        match self.find_or_create(h, parent, tick, false) {
             Some((i, true)) => Some(i),
             Some((_, false)) => unreachable!("create() of a hash already present"),
             None => None,
@@ -128,33 +156,168 @@ impl Shard {
     }
 
     /// The node for `h`, creating it under `parent` if absent, with one table probe.
-    /// Returns (node, created); `None` when the shard is full.
-    pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u32) -> Option<(u32, bool)> {
+    /// With `grow`, a node created under a leaf goes in the slot right after it (`slot_under`).
+    /// Returns (node, created); `None` when the shard is full. `grow` may move `parent` and the
+    /// run it ends (never an orphan root), so callers must not hold other node indices across it.
+    pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u32, grow: bool) -> Option<(u32, bool)> {
+        let grow = grow && parent < FREE && self.nodes[parent as usize].children == 0;
         let nodes = &self.nodes;
         let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
             hashbrown::hash_table::Entry::Occupied(o) => return Some((*o.get(), false)),
             hashbrown::hash_table::Entry::Vacant(v) => v,
         };
         let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
-        let i = match self.free.pop() {
+        // One table probe, unless the run under `parent` must move (rare: amortised).
+        let (i, parent) = match grow.then(|| take_after(&mut self.nodes, parent)).flatten() {
             Some(i) => {
                 self.nodes[i as usize] = node;
-                i
+                vacant.insert(i);
+                (i, parent)
+            }
+            None if grow => {
+                // (`vacant` is not used on this path, so its borrow of the table ends here.)
+                let placed = self.slot_under(parent);
+                let (i, parent) = match placed {
+                    Some((i, p)) => {
+                        self.nodes[i as usize] = Node { parent: p, ..node };
+                        (i, p)
+                    }
+                    None => (self.place(node)?, parent),
+                };
+                let nodes = &self.nodes;
+                self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
+                (i, parent)
             }
             None => {
-                if self.nodes.len() >= MAX_NODES_PER_SHARD {
-                    return None;
-                }
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as u32
+                let i = match self.free.pop() {
+                    Some(i) => {
+                        self.nodes[i as usize] = node;
+                        i
+                    }
+                    None => {
+                        if self.nodes.len() >= MAX_NODES_PER_SHARD {
+                            return None;
+                        }
+                        self.nodes.push(node);
+                        (self.nodes.len() - 1) as u32
+                    }
+                };
+                vacant.insert(i);
+                (i, parent)
             }
         };
-        vacant.insert(i);
         if parent < FREE {
             self.nodes[parent as usize].children += 1;
         }
         self.live += 1;
         Some((i, true))
+    }
+
+    /// Puts `node` in a free slot or at the slab's end; `None` when the shard is full.
+    fn place(&mut self, node: Node) -> Option<u32> {
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                Some(i)
+            }
+            None if self.nodes.len() >= MAX_NODES_PER_SHARD => None,
+            None => {
+                self.nodes.push(node);
+                Some((self.nodes.len() - 1) as u32)
+            }
+        }
+    }
+
+    fn is_reserved(&self, i: usize) -> bool {
+        is_reserved(&self.nodes, i)
+    }
+
+    /// A slot right after leaf `p` for its first child, and `p`'s index then: runs grow in place.
+    /// A session's turns arrive one under another, far apart in time; so that they still sit in
+    /// consecutive slots (where walks find them without the table), a run that cannot grow where
+    /// it is moves its tail (at most `MAX_MOVE` nodes, each with one child, no orphan root) to the
+    /// end of the slab with room reserved after it, twice its length: amortised growth like a
+    /// vector's. `None` when `p` cannot be moved (an orphan root) or the shard is full.
+    fn slot_under(&mut self, p: u32) -> Option<(u32, u32)> {
+        if let Some(i) = take_after(&mut self.nodes, p) {
+            return Some((i, p));
+        }
+        // The run's tail: p and the nodes before it that chain into it and have no other child.
+        let mut start = p as usize;
+        if self.nodes[start].parent == ORPHAN {
+            return None;
+        }
+        while p as usize - start + 1 < MAX_MOVE && start > 0 {
+            let (prev, cur) = (&self.nodes[start - 1], &self.nodes[start]);
+            if cur.parent != (start - 1) as u32 || prev.children != 1 || prev.parent == FREE || prev.parent == ORPHAN {
+                break;
+            }
+            start -= 1;
+        }
+        let len = p as usize - start + 1;
+        let cap = (2 * (len + 1)).clamp(MIN_RUN, MAX_RUN);
+        // Where the run goes: a contiguous stretch on top of the free list (runs freed earlier),
+        // else the end of the slab; but not while holes already outnumber live nodes, so that
+        // churn (removals, eviction) cannot grow the slab without bound.
+        let base = match self.take_free_stretch(cap) {
+            Some(b) => b,
+            None if self.free.len() > self.live + HOLES_ALLOWED || self.nodes.len() + cap >= MAX_NODES_PER_SHARD => return None,
+            None => {
+                let b = self.nodes.len();
+                for _ in 0..cap {
+                    self.nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
+                }
+                b
+            }
+        };
+        for k in 0..len {
+            let old = start + k;
+            let n = &mut self.nodes[old];
+            let moved = Node {
+                hash: n.hash,
+                holders: n.holders,
+                tick: AtomicU32::new(n.tick.load(Relaxed)),
+                parent: if k == 0 { n.parent } else { (base + k - 1) as u32 },
+                children: n.children,
+            };
+            n.parent = FREE;
+            n.holders = holders::EMPTY;
+            n.children = 0;
+            let h = moved.hash;
+            self.nodes[base + k] = moved;
+            if let Some(e) = self.table.find_mut(mix(h), |&j| j as usize == old) {
+                *e = (base + k) as u32;
+            }
+        }
+        // The old slots are free for anyone (and so are slots reserved after them, if any).
+        self.release_reserved(start + len);
+        for old in start..start + len {
+            self.free.push(old as u32);
+        }
+        for k in len + 1..cap {
+            self.nodes[base + k].children = RESERVED;
+        }
+        Some(((base + len) as u32, (base + len - 1) as u32))
+    }
+
+    /// `n` consecutive slots from the top of the free list, if its last `n` entries are that.
+    fn take_free_stretch(&mut self, n: usize) -> Option<usize> {
+        let top = self.free.len().checked_sub(n)?;
+        let first = self.free[top];
+        if !self.free[top..].iter().enumerate().all(|(k, &v)| v == first + k as u32) {
+            return None;
+        }
+        self.free.truncate(top);
+        Some(first as usize)
+    }
+
+    /// Returns the reserved slots from `i` on to the free list (their run lost its tail).
+    fn release_reserved(&mut self, mut i: usize) {
+        while self.is_reserved(i) {
+            self.nodes[i].children = 0;
+            self.free.push(i as u32);
+            i += 1;
+        }
     }
 
     /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
@@ -242,6 +405,7 @@ impl Shard {
         n.children = 0;
         self.free.push(i);
         self.live -= 1;
+        self.release_reserved(i as usize + 1);
     }
 
     /// Removes `slot` from every node; deletes nodes left empty. Returns (entries, nodes) removed.

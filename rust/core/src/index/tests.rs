@@ -284,3 +284,124 @@ fn long_stores_yield_while_blocks_they_chain_under_are_removed() {
         assert_eq!(depth(&idx, c, 7), Some(100), "chain {k}");
     }
 }
+
+fn live_sets(idx: &KvIndex) -> usize {
+    (0..NUM_SHARDS).map(|s| idx.shard(s).read().arena.live_sets()).sum()
+}
+
+#[test]
+fn turns_taken_over_by_another_worker_share_one_holder_set() {
+    let idx = KvIndex::new(None);
+    let c = chain(8, 40);
+    // Worker 1 stores a session in turns, each under its parent; worker 2 takes the conversation
+    // over and prefills the first 30 blocks, then stores the next turn alone.
+    for t in (0..30).step_by(5) {
+        idx.store(1, &c[t..t + 5], (t > 0).then(|| c[t - 1]), Tier::Device).unwrap();
+    }
+    idx.store(2, &c[..16], None, Tier::Device).unwrap();
+    idx.store(2, &c[16..30], Some(c[15]), Tier::Device).unwrap();
+    idx.store(2, &c[30..40], Some(c[29]), Tier::Device).unwrap();
+    assert_eq!(live_sets(&idx), 1, "30 blocks held by {{1, 2}}: one set");
+    assert_eq!(depth(&idx, &c, 1), Some(30));
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    // A middle removal gives that block its own (inline) holders; the others keep sharing.
+    idx.remove(1, &c[12..13], ANY_TIER);
+    assert_eq!(depth(&idx, &c, 1), Some(12));
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    assert_eq!(live_sets(&idx), 1);
+    // A host copy of one block is another holder pattern, so another set.
+    idx.store(1, &c[20..21], Some(c[19]), Tier::Host).unwrap();
+    assert_eq!(live_sets(&idx), 2);
+    assert_eq!(idx.find_matches(&c, Tier::Host.bit()).get(1), None, "host holds block 20 only");
+    // Stored again, the block rejoins the shared set.
+    idx.store(1, &c[12..13], Some(c[11]), Tier::Device).unwrap();
+    assert_eq!(depth(&idx, &c, 1), Some(30));
+    assert_eq!(live_sets(&idx), 2);
+    assert_eq!(idx.stats().entries, 30 + 40);
+    idx.remove_worker(1);
+    assert_eq!(live_sets(&idx), 0, "one holder left everywhere: no set is kept");
+    assert_eq!(depth(&idx, &c, 2), Some(40));
+    idx.clear(2);
+    assert!(idx.is_empty());
+}
+
+/// Slab slots of `hashes` in their shard.
+fn slots_of(idx: &KvIndex, hashes: &[u64]) -> Vec<u32> {
+    let g = idx.shard(root_shard(hashes[0])).read();
+    hashes.iter().map(|&h| g.find(h).expect("stored")).collect()
+}
+
+#[test]
+fn interleaved_turns_grow_their_runs_in_place() {
+    let idx = KvIndex::new(None);
+    // Two sessions under one root, stored turn by turn, alternately: each session's blocks
+    // still end up in consecutive slots, so a walk never needs the table inside a run.
+    let root = chain(20, 1);
+    let a: Vec<u64> = root.iter().copied().chain(chain(21, 60)).collect();
+    let b: Vec<u64> = root.iter().copied().chain(chain(22, 60)).collect();
+    idx.store(1, &root, None, Tier::Device).unwrap();
+    idx.store(2, &root, None, Tier::Device).unwrap();
+    for t in (1..61).step_by(3) {
+        idx.store(1, &a[t..t + 3], Some(a[t - 1]), Tier::Device).unwrap();
+        idx.store(2, &b[t..t + 3], Some(b[t - 1]), Tier::Device).unwrap();
+    }
+    for s in [&a, &b] {
+        let slots = slots_of(&idx, &s[1..]);
+        let breaks = slots.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        assert_eq!(breaks, 0, "{slots:?}");
+    }
+    assert_eq!(depth(&idx, &a, 1), Some(61));
+    assert_eq!(depth(&idx, &b, 2), Some(61));
+    assert_eq!(depth(&idx, &b, 1), Some(1));
+    assert_eq!(idx.len(), 121);
+    assert_eq!(idx.stats().entries, 122);
+}
+
+#[test]
+fn runs_move_only_above_branches_and_never_move_orphan_roots() {
+    let idx = KvIndex::new(None);
+    let c = chain(30, 12);
+    let side = chain(31, 3);
+    idx.store(1, &c[..6], None, Tier::Device).unwrap();
+    idx.store(1, &side, Some(c[2]), Tier::Device).unwrap(); // a branch under block 2
+    idx.store(9, &chain(32, 5), None, Tier::Device).unwrap(); // something else after the run
+    idx.store(1, &c[6..9], Some(c[5]), Tier::Device).unwrap(); // the run must move to grow
+    let branch = [c[..3].to_vec(), side.clone()].concat();
+    assert_eq!(depth(&idx, &c, 1), Some(9));
+    assert_eq!(depth(&idx, &branch, 1), Some(6), "the branch still hangs under block 2");
+    // An orphan turn, a turn under it, then its parent: adopted and whole.
+    let o = chain(33, 9);
+    idx.store(2, &o[..3], None, Tier::Device).unwrap();
+    idx.store(2, &o[5..7], Some(o[4]), Tier::Device).unwrap();
+    idx.store(9, &chain(34, 2), None, Tier::Device).unwrap();
+    idx.store(2, &o[7..9], Some(o[6]), Tier::Device).unwrap();
+    idx.store(2, &o[3..5], Some(o[2]), Tier::Device).unwrap();
+    assert_eq!(depth(&idx, &o, 2), Some(9));
+    assert_eq!(idx.awaiting_len.load(Relaxed), 0);
+    let kv = KvIndex::load(&idx.dump(), None).unwrap();
+    assert_eq!(depth(&kv, &o, 2), Some(9));
+    assert_eq!(depth(&kv, &branch, 1), Some(6));
+}
+
+#[test]
+fn churn_does_not_grow_the_slab_without_bound() {
+    let idx = KvIndex::new(None);
+    let slab_len = || (0..NUM_SHARDS).map(|s| idx.shard(s).read().nodes.len()).sum::<usize>();
+    let mut at_half = 0;
+    for round in 0..600u64 {
+        let c = chain(41 + round % 3, 40);
+        for t in (0..40).step_by(4) {
+            idx.store(1, &c[t..t + 4], (t > 0).then(|| c[t - 1]), Tier::Device).unwrap();
+            idx.store(5, &chain(500 + round * 10 + t as u64, 1), None, Tier::Device).unwrap();
+        }
+        idx.remove(1, &c, ANY_TIER);
+        idx.clear(5);
+        if round == 299 {
+            at_half = slab_len();
+        }
+    }
+    assert!(idx.is_empty());
+    // Holes are capped per shard (HOLES_ALLOWED plus one run), so the slab stops growing.
+    assert!(slab_len() <= at_half + NUM_SHARDS * super::shard::MAX_RUN, "{at_half} -> {}", slab_len());
+    assert!(slab_len() <= NUM_SHARDS * (1024 + 2 * super::shard::MAX_RUN));
+}
