@@ -118,6 +118,35 @@ def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
     run(scenario())
 
 
+def test_stream_read_to_done_is_a_2xx_even_if_the_client_closes_before_its_end() -> None:
+    """The ``openai`` client closes a stream once it reads ``data: [DONE]``, often before the engine's
+    end of stream reaches the gateway (issue #11: 5 of 20 were counted as disconnected)."""
+
+    async def scenario() -> None:
+        async with Cluster(1) as c:
+            mock = c.mocks[0]
+            mock.end_delay = 10.0  # the engine's end of stream trails its last event
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                got = b""
+                while b"data: [DONE]" not in got:
+                    chunk = await r.content.readany()
+                    assert chunk, f"stream ended before [DONE]: {got!r}"
+                    got += chunk
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the stream")
+            # A client that leaves before the last event is still a disconnect.
+            mock.token_delay = 0.05
+            async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/chat/completions", json={**body, "max_tokens": 200}) as r:
+                await r.content.readany()
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the abandoned stream")
+            counts = {k[1]: n for k, n in c.metrics.requests.items() if k[0] == "/v1/chat/completions"}
+            assert counts == {"2xx": 1, "disconnected": 1}, counts
+            assert_no_leak(c)
+
+    run(scenario())
+
+
 def _pin(c: Cluster, mock: MockWorker, body: dict, chat: bool = False) -> None:
     """Makes the router believe ``mock`` caches this prompt, so it is the first choice."""
     p = c.gw.prompter.prompt(body, chat)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import itertools
 import json
@@ -208,6 +209,17 @@ def _forwarded(request: web.Request) -> dict[str, str] | None:
 
 def _sse_error(message: str) -> bytes:
     return b"data: " + json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}}).encode() + b"\n\n"
+
+
+def _sse_done(chunk: bytes) -> bool:
+    """Whether an SSE chunk ends with the OpenAI stream's final event, ``data: [DONE]``."""
+    return chunk.rstrip().endswith(b"data: [DONE]")
+
+
+# Set by ``_relay`` (same task as ``_handle``) once a stream's ``data: [DONE]`` reached the client: the
+# ``openai`` client closes as soon as it reads it, often before the engine's end of stream arrives, and
+# such a request is complete (a 2xx), not a disconnect.
+_ANSWERED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("kvroute_answered", default=None)
 
 
 class Gateway:
@@ -486,13 +498,19 @@ class Gateway:
             )
         self._client_active[client] += 1
         self._in_flight += 1
+        answered = [False]
+        token = _ANSWERED.set(answered)
         try:
             return self._count(path, await self._serve(request, path, chat))
         except (asyncio.CancelledError, ConnectionResetError):
-            m.client_disconnects += 1
-            m.requests[(path, "disconnected")] += 1
+            if answered[0]:
+                m.requests[(path, "2xx")] += 1
+            else:
+                m.client_disconnects += 1
+                m.requests[(path, "disconnected")] += 1
             raise
         finally:
+            _ANSWERED.reset(token)
             self._in_flight -= 1
             self._client_active[client] -= 1
             if not self._client_active[client]:
@@ -606,9 +624,12 @@ class Gateway:
             lean = getattr(request, "kvroute_stream", None)  # kvroute.gateway.server's requests
             resp = lean(up.status, headers) if lean is not None else web.StreamResponse(status=up.status, headers=headers)
             await resp.prepare(request)
+            sse = headers["Content-Type"].startswith("text/event-stream")
+            answered = _ANSWERED.get() if sse else None
             if first:
                 await resp.write(first)
-            sse = headers["Content-Type"].startswith("text/event-stream")
+                if answered is not None and _sse_done(first):
+                    answered[0] = True
             while True:
                 try:
                     chunk = await up.readany()
@@ -621,6 +642,8 @@ class Gateway:
                 if not chunk:
                     break
                 await resp.write(chunk)
+                if answered is not None and _sse_done(chunk):
+                    answered[0] = True
             await resp.write_eof()
             return resp
         finally:

@@ -969,10 +969,25 @@ impl PlaneBody {
 
     /// The body reached its end: a hold's admission counts as completed, its lease as finished.
     fn finish(&mut self) {
+        self.answered();
+        self.hold = None;
+    }
+
+    /// The client has the whole answer (the body's end, or an SSE stream's final `data: [DONE]`): a
+    /// client that closes now completed its request. The `openai` client closes as soon as it reads
+    /// `[DONE]`, often before the engine's end of stream reaches the plane.
+    fn answered(&mut self) {
         if let Some(adm) = self.hold.as_mut().and_then(|h| h.adm.as_mut()) {
             adm.completed = true;
         }
-        self.hold = None;
+    }
+
+    /// Relays `d`, first noting whether it ends an SSE stream.
+    fn data(&mut self, d: Bytes) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if self.on_break.as_ref().is_some_and(|b| b.sse) && sse_done(&d) {
+            self.answered();
+        }
+        Poll::Ready(Some(Ok(Frame::data(d))))
     }
 
     /// The upstream broke mid-stream: mark the worker, and for SSE tell the client in-band.
@@ -989,6 +1004,12 @@ impl PlaneBody {
     }
 }
 
+/// Whether an SSE chunk ends with the OpenAI stream's final event, `data: [DONE]`.
+fn sse_done(chunk: &[u8]) -> bool {
+    let end = chunk.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(0, |i| i + 1);
+    chunk[..end].ends_with(b"data: [DONE]")
+}
+
 impl Body for PlaneBody {
     type Data = Bytes;
     type Error = io::Error;
@@ -1001,7 +1022,7 @@ impl Body for PlaneBody {
                 this.finish();
             }
             if !first.is_empty() {
-                return Poll::Ready(Some(Ok(Frame::data(first))));
+                return this.data(first);
             }
         }
         loop {
@@ -1015,7 +1036,7 @@ impl Body for PlaneBody {
                         t.as_mut().reset(tokio::time::Instant::now() + rt);
                     }
                     match frame.into_data() {
-                        Ok(d) if !d.is_empty() => return Poll::Ready(Some(Ok(Frame::data(d)))),
+                        Ok(d) if !d.is_empty() => return this.data(d),
                         _ => continue,
                     }
                 }

@@ -94,3 +94,49 @@ fn refused_worker_is_retried_marked_and_load_released() {
     assert!(!dp.is_running());
     dp.stop();
 }
+
+/// Reads from `s` until `marker` arrived (bounded by the socket's read timeout), then returns.
+fn read_until(s: &mut TcpStream, marker: &str) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(marker) {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "connection closed before {marker:?}: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[test]
+fn a_stream_read_to_done_is_a_2xx_even_when_the_client_closes_before_its_end() {
+    // The engine sends its last SSE event but not (yet) the end of its chunked body: the `openai`
+    // client reads `data: [DONE]` and closes, as it does with real engines (issue #11: 5 of 20
+    // finished streams were counted as disconnected).
+    let fake = common::fake(|body| {
+        let events = if String::from_utf8_lossy(body).contains("unfinished") { "data: one\n\n" } else { "data: one\n\ndata: [DONE]\n\n" };
+        Some(format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n",
+            events.len()
+        ))
+    });
+    let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
+    router.add_worker(0, WorkerSpec::default()).unwrap();
+    let dp = DataPlane::new(router.clone(), config(fake.addr), None).unwrap();
+    dp.add_worker(0, &format!("http://{}", fake.addr), Role::Both, None).unwrap();
+    let addr = dp.start().unwrap();
+    let count = |class: &str| dp.metrics().requests.get(&("/v1/chat/completions".to_string(), class.to_string())).copied().unwrap_or(0);
+    for (prompt, marker) in [("finished", "[DONE]"), ("unfinished", "data: one")] {
+        let body = format!(r#"{{"messages": [{{"role": "user", "content": "{prompt}"}}], "stream": true}}"#);
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let got = read_until(&mut s, marker);
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        drop(s); // the client is done reading
+        common::poll("the request's release", || dp.in_flight() == 0);
+    }
+    assert_eq!(count("2xx"), 1, "the stream read to its [DONE] is complete");
+    assert_eq!(count("disconnected"), 1, "the one left before its last event is a disconnect");
+    assert_eq!(router.num_in_flight(), 0);
+    dp.stop();
+}
