@@ -114,15 +114,18 @@ def poll(pred: Any, timeout: float, what: str, interval: float = 0.02) -> None:
 
 
 def _corpus() -> list[str]:
-    """Text found on the machine, in a fixed order: this checkout's docs and the Python sources of the
-    standard library's json and email packages (deterministic for one checkout and one Python)."""
-    files = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    """Text found on the machine, in a fixed order: the Python sources of a few standard-library
+    packages (deterministic for one Python version, and unchanged by edits to this checkout)."""
     import email
+    import http
     import json as _json
+    import logging
+    import urllib
 
-    for pkg in (_json, email):
+    files: list[Path] = []
+    for pkg in (_json, email, http, logging, urllib):
         files += sorted(Path(pkg.__file__).parent.glob("*.py"))
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files if f.is_file()]
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
 def build_model(path: Path) -> Path:
@@ -228,7 +231,7 @@ def stop_pid(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: 
             os.kill(k, signal.SIGKILL)
 
 
-_live: set[Engine] = set()
+_live: set[Engine | Gateway] = set()
 _live_lock = threading.Lock()
 
 
@@ -414,6 +417,75 @@ class Engine:
             if base == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
                 total += v
         return total
+
+
+@dataclass(eq=False)
+class Gateway:
+    """``kvroute serve`` (the bed's kvroute) in front of ``engines``, KV events on, on a free port."""
+
+    bed: Bed
+    engines: Sequence[Engine]
+    args: Sequence[str] = ()
+    name: str = "gateway"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.bed.logs / f"{self.name}.log"
+
+    def argv(self) -> list[str]:
+        out = [str(self.bed.python), "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        out += ["--block-size", str(BLOCK_SIZE), "--health-interval", "0.5"]
+        for e in self.engines:
+            out += ["--worker", e.url, "--kv-events", f"{e.url}={e.events}", "--kv-events-replay", f"{e.url}={e.replay}"]
+        return out + list(self.args)
+
+    def start(self, timeout: float = 60.0) -> Gateway:
+        self.bed.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return self
+            time.sleep(0.2)
+        raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc, sig, timeout)
+        with _live_lock:
+            _live.discard(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The gateway's own Prometheus samples (``name{labels}`` -> value)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    out[key] = float(value)
+        return out
 
 
 class Bed:
