@@ -113,7 +113,7 @@ class GatewayConfig:
 
 
 class _Worker:
-    __slots__ = ("cfg", "healthy", "host", "id", "in_flight", "probing", "served")
+    __slots__ = ("cfg", "healthy", "host", "id", "in_flight", "probing", "served", "streams")
 
     def __init__(self, wid: int, cfg: WorkerConfig) -> None:
         self.id = wid
@@ -123,6 +123,9 @@ class _Worker:
         self.in_flight = 0
         self.served = 0
         self.probing = False
+        # Streams being relayed from this worker: closed when it is marked unhealthy (a SIGTERMed
+        # vLLM aborts its engine but holds its open streams silent until it exits).
+        self.streams: set[UpstreamResponse] = set()
 
     @property
     def url(self) -> str:
@@ -307,6 +310,8 @@ class Gateway:
                 self.router.remove_worker(w.id)
             if self.approx is not None:
                 self.approx.drop_worker(w.id)
+            for up in list(w.streams):
+                up.close()  # its relay reads a broken stream: the in-band error, at once
         self._probe_soon(w)
 
     def plane_marked_unhealthy(self, wid: int, reason: str) -> None:
@@ -374,6 +379,18 @@ class Gateway:
         finally:
             w.probing = False
 
+    async def _watch_loop(self) -> None:
+        """Probes the healthy workers every ``health_interval``: a worker that stops answering with
+        no new request to notice it (a SIGTERMed vLLM holds its open streams silent until it exits)
+        is marked unhealthy, which ends its streams in flight on both planes."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            workers = [w for w in self.workers.values() if w.healthy]
+            results = await asyncio.gather(*(self._healthy(w) for w in workers))
+            for w, ok in zip(workers, results):
+                if not ok and w.healthy:
+                    self.mark_unhealthy(w, "health probe failed")
+
     async def _healthy(self, w: _Worker) -> bool:
         assert self.session is not None
         try:
@@ -398,6 +415,7 @@ class Gateway:
             self._tasks.append(loop.create_task(self._expire_loop()))
         if self.config.metrics_interval > 0:
             self._tasks.append(loop.create_task(self._metrics_loop()))
+        self._tasks.append(loop.create_task(self._watch_loop()))
         if self.config.kv_events:
             from kvroute.events import KvEventSubscriber
 
@@ -626,6 +644,7 @@ class Gateway:
             await resp.prepare(request)
             sse = headers["Content-Type"].startswith("text/event-stream")
             answered = _ANSWERED.get() if sse else None
+            w.streams.add(up)
             if first:
                 await resp.write(first)
                 if answered is not None and _sse_done(first):
@@ -647,6 +666,7 @@ class Gateway:
             await resp.write_eof()
             return resp
         finally:
+            w.streams.discard(up)
             up.close()
 
     async def _unified(self, request: web.Request, path: str, raw: bytes, stream: bool, w: _Worker, lease: _Lease) -> web.StreamResponse:
