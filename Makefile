@@ -1,8 +1,10 @@
 # The few commands a newcomer needs. `make dev` once, then `make test`.
 VENV ?= .venv
+# The real-engine bed (vLLM's CPU build + a tiny model), built by e2e/build_bed.sh; see docs/e2e.md.
+E2E_BED ?= $(abspath .e2e)
 PY := $(VENV)/bin/python
 
-.PHONY: dev build test test-rust lint fmt bench bench-peers
+.PHONY: dev build test test-rust lint fmt bench bench-peers e2e
 dev:
 	python3 -m venv $(VENV) && $(VENV)/bin/pip install -q maturin numpy pytest hypothesis pytest-benchmark
 	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release
@@ -22,3 +24,6 @@ bench:
 	cargo bench -p kvroute-core
 bench-peers:
 	$(VENV)/bin/pip install -q "ai-dynamo-runtime==1.6.1"
+e2e:
+	KVROUTE_E2E_BED=$(E2E_BED) e2e/build_bed.sh
+	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e

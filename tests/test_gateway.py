@@ -118,6 +118,59 @@ def test_client_disconnect_cancels_upstream_and_releases_load() -> None:
     run(scenario())
 
 
+def test_stream_read_to_done_is_a_2xx_even_if_the_client_closes_before_its_end() -> None:
+    """The ``openai`` client closes a stream once it reads ``data: [DONE]``, often before the engine's
+    end of stream reaches the gateway (issue #11: 5 of 20 were counted as disconnected)."""
+
+    async def scenario() -> None:
+        async with Cluster(1) as c:
+            mock = c.mocks[0]
+            mock.end_delay = 10.0  # the engine's end of stream trails its last event
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                got = b""
+                while b"data: [DONE]" not in got:
+                    chunk = await r.content.readany()
+                    assert chunk, f"stream ended before [DONE]: {got!r}"
+                    got += chunk
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the stream")
+            # A client that leaves before the last event is still a disconnect.
+            mock.token_delay = 0.05
+            async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/chat/completions", json={**body, "max_tokens": 200}) as r:
+                await r.content.readany()
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the abandoned stream")
+            counts = {k[1]: n for k, n in c.metrics.requests.items() if k[0] == "/v1/chat/completions"}
+            assert counts == {"2xx": 1, "disconnected": 1}, counts
+            assert_no_leak(c)
+
+    run(scenario())
+
+
+def test_streams_on_a_worker_marked_unhealthy_end_at_once() -> None:
+    """A SIGTERMed vLLM aborts its engine but holds its open streams silent until it exits (issue
+    #11: 2 of ~1130 streams hung until the client's timeout). Once the worker is marked unhealthy
+    its streams end now, with the in-band error, not at the 600 s read timeout."""
+
+    async def scenario() -> None:
+        async with Cluster(1, mock={"token_delay": 2.0}) as c:
+            w = next(iter(c.gw.workers.values()))
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
+            async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                await r.content.readany()
+                t0 = asyncio.get_running_loop().time()
+                c.gw.mark_unhealthy(w, "test: the engine went away")
+                rest = await asyncio.wait_for(r.content.read(), 5.0)
+                elapsed = asyncio.get_running_loop().time() - t0
+            assert b"upstream worker failed mid-stream" in rest, rest
+            assert elapsed < 1.5, f"the stream ended {elapsed:.2f} s after its worker was marked unhealthy"
+            await poll(lambda: c.in_flight() == 0, what="gateway to release the stream")
+            assert_no_leak(c)
+
+    run(scenario())
+
+
 def _pin(c: Cluster, mock: MockWorker, body: dict, chat: bool = False) -> None:
     """Makes the router believe ``mock`` caches this prompt, so it is the first choice."""
     p = c.gw.prompter.prompt(body, chat)
@@ -326,6 +379,21 @@ def test_admin_api_requires_bearer_token() -> None:
                 await extra.stop()
 
     run(scenario())
+
+
+def test_metrics_render_with_several_workers_failing_and_several_rejection_reasons() -> None:
+    """Seen on the real-engine bed: /metrics answered 500 once two workers had upstream errors
+    (render sorted label dicts, which do not order)."""
+    from kvroute.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.upstream_errors["http://b:1"] += 2
+    m.upstream_errors["http://a:1"] += 1
+    m.rejections["slo"] += 1
+    m.rejections["client_concurrency"] += 3
+    text = m.render([])
+    assert 'kvroute_upstream_errors_total{worker="http://a:1"} 1\nkvroute_upstream_errors_total{worker="http://b:1"} 2' in text
+    assert 'kvroute_rejections_total{reason="client_concurrency"} 3\nkvroute_rejections_total{reason="slo"} 1' in text
 
 
 def test_health_models_and_metrics_endpoints() -> None:

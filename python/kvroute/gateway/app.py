@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import itertools
 import json
@@ -112,7 +113,7 @@ class GatewayConfig:
 
 
 class _Worker:
-    __slots__ = ("cfg", "healthy", "host", "id", "in_flight", "probing", "served")
+    __slots__ = ("cfg", "healthy", "host", "id", "in_flight", "probing", "served", "streams")
 
     def __init__(self, wid: int, cfg: WorkerConfig) -> None:
         self.id = wid
@@ -122,6 +123,9 @@ class _Worker:
         self.in_flight = 0
         self.served = 0
         self.probing = False
+        # Streams being relayed from this worker: closed when it is marked unhealthy (a SIGTERMed
+        # vLLM aborts its engine but holds its open streams silent until it exits).
+        self.streams: set[UpstreamResponse] = set()
 
     @property
     def url(self) -> str:
@@ -210,6 +214,17 @@ def _sse_error(message: str) -> bytes:
     return b"data: " + json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}}).encode() + b"\n\n"
 
 
+def _sse_done(chunk: bytes) -> bool:
+    """Whether an SSE chunk ends with the OpenAI stream's final event, ``data: [DONE]``."""
+    return chunk.rstrip().endswith(b"data: [DONE]")
+
+
+# Set by ``_relay`` (same task as ``_handle``) once a stream's ``data: [DONE]`` reached the client: the
+# ``openai`` client closes as soon as it reads it, often before the engine's end of stream arrives, and
+# such a request is complete (a 2xx), not a disconnect.
+_ANSWERED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("kvroute_answered", default=None)
+
+
 class Gateway:
     """State behind one gateway app: workers, router, prompter, upstream session, background tasks."""
 
@@ -295,6 +310,8 @@ class Gateway:
                 self.router.remove_worker(w.id)
             if self.approx is not None:
                 self.approx.drop_worker(w.id)
+            for up in list(w.streams):
+                up.close()  # its relay reads a broken stream: the in-band error, at once
         self._probe_soon(w)
 
     def plane_marked_unhealthy(self, wid: int, reason: str) -> None:
@@ -362,6 +379,18 @@ class Gateway:
         finally:
             w.probing = False
 
+    async def _watch_loop(self) -> None:
+        """Probes the healthy workers every ``health_interval``: a worker that stops answering with
+        no new request to notice it (a SIGTERMed vLLM holds its open streams silent until it exits)
+        is marked unhealthy, which ends its streams in flight on both planes."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            workers = [w for w in self.workers.values() if w.healthy]
+            results = await asyncio.gather(*(self._healthy(w) for w in workers))
+            for w, ok in zip(workers, results):
+                if not ok and w.healthy:
+                    self.mark_unhealthy(w, "health probe failed")
+
     async def _healthy(self, w: _Worker) -> bool:
         assert self.session is not None
         try:
@@ -386,6 +415,7 @@ class Gateway:
             self._tasks.append(loop.create_task(self._expire_loop()))
         if self.config.metrics_interval > 0:
             self._tasks.append(loop.create_task(self._metrics_loop()))
+        self._tasks.append(loop.create_task(self._watch_loop()))
         if self.config.kv_events:
             from kvroute.events import KvEventSubscriber
 
@@ -486,13 +516,19 @@ class Gateway:
             )
         self._client_active[client] += 1
         self._in_flight += 1
+        answered = [False]
+        token = _ANSWERED.set(answered)
         try:
             return self._count(path, await self._serve(request, path, chat))
         except (asyncio.CancelledError, ConnectionResetError):
-            m.client_disconnects += 1
-            m.requests[(path, "disconnected")] += 1
+            if answered[0]:
+                m.requests[(path, "2xx")] += 1
+            else:
+                m.client_disconnects += 1
+                m.requests[(path, "disconnected")] += 1
             raise
         finally:
+            _ANSWERED.reset(token)
             self._in_flight -= 1
             self._client_active[client] -= 1
             if not self._client_active[client]:
@@ -606,9 +642,13 @@ class Gateway:
             lean = getattr(request, "kvroute_stream", None)  # kvroute.gateway.server's requests
             resp = lean(up.status, headers) if lean is not None else web.StreamResponse(status=up.status, headers=headers)
             await resp.prepare(request)
+            sse = headers["Content-Type"].startswith("text/event-stream")
+            answered = _ANSWERED.get() if sse else None
+            w.streams.add(up)
             if first:
                 await resp.write(first)
-            sse = headers["Content-Type"].startswith("text/event-stream")
+                if answered is not None and _sse_done(first):
+                    answered[0] = True
             while True:
                 try:
                     chunk = await up.readany()
@@ -621,9 +661,12 @@ class Gateway:
                 if not chunk:
                     break
                 await resp.write(chunk)
+                if answered is not None and _sse_done(chunk):
+                    answered[0] = True
             await resp.write_eof()
             return resp
         finally:
+            w.streams.discard(up)
             up.close()
 
     async def _unified(self, request: web.Request, path: str, raw: bytes, stream: bool, w: _Worker, lease: _Lease) -> web.StreamResponse:

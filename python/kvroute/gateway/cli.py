@@ -89,7 +89,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     s.add_argument(
         "--client-timeout", type=float, default=30.0, help="longest a client may take to send a request's head and body (seconds)"
     )
-    s.add_argument("--health-interval", type=float, default=2.0, help="probe period of unhealthy workers (seconds)")
+    s.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        help="health probe period (seconds): unhealthy workers until they answer, healthy ones to notice one that stopped",
+    )
     s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
     s.add_argument(

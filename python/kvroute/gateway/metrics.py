@@ -112,7 +112,7 @@ class GatewayMetrics:
         counter(
             "kvroute_rejections_total",
             "Requests turned away early (HTTP 429), by reason.",
-            sorted(({"reason": r}, n) for r, n in self.rejections.items()),
+            [({"reason": r}, n) for r, n in sorted(self.rejections.items())],
         )
         counter(
             "kvroute_retries_total",
@@ -122,7 +122,7 @@ class GatewayMetrics:
         counter(
             "kvroute_upstream_errors_total",
             "Failed dispatches (connection refused/reset, 5xx, broken stream), by worker.",
-            sorted(({"worker": w}, n) for w, n in self.upstream_errors.items()),
+            [({"worker": w}, n) for w, n in sorted(self.upstream_errors.items())],
         )
         counter(
             "kvroute_client_disconnects_total",

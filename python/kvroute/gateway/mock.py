@@ -65,6 +65,7 @@ class MockWorker:
         self.cache: OrderedDict[bytes, None] = OrderedDict()
         self.fail_next = 0
         self.fail_status = 500
+        self.end_delay = 0.0  # seconds between a stream's ``data: [DONE]`` and its end (a real engine's end trails it)
         self.healthy = True
         self.requests = 0
         self.completed = 0
@@ -234,6 +235,8 @@ class MockWorker:
             await resp.write(sent[-1])
         sent.append(b"data: [DONE]\n\n")
         await resp.write(sent[-1])
+        if self.end_delay:
+            await asyncio.sleep(self.end_delay)
         await resp.write_eof()
         if self.keep_bodies:
             self.outputs.append(b"".join(sent))

@@ -29,7 +29,7 @@ use kvroute_core::{RouteRequest, Router, RouterError, WorkerId};
 use parking_lot::{Mutex, RwLock};
 use serde_json::Value;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tokio::time::Sleep;
 
 use crate::approx::ApproxCache;
@@ -125,6 +125,25 @@ struct Worker {
     healthy: AtomicBool,
     in_flight: AtomicI64,
     served: AtomicU64,
+    /// Bumped each time the worker is marked unhealthy: its requests in flight end at once (a
+    /// SIGTERMed vLLM aborts its engine but holds its open streams silent until it exits).
+    down: watch::Sender<u64>,
+}
+
+impl Worker {
+    fn mark_down(&self) {
+        self.down.send_modify(|n| *n += 1);
+    }
+
+    /// Resolves when the worker is next marked unhealthy.
+    fn went_down(&self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        let mut rx = self.down.subscribe();
+        Box::pin(async move {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    }
 }
 
 type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -277,6 +296,7 @@ impl DataPlane {
             healthy: AtomicBool::new(true),
             in_flight: AtomicI64::new(0),
             served: AtomicU64::new(0),
+            down: watch::channel(0).0,
         };
         ws.insert(id, Arc::new(w));
         Ok(())
@@ -291,7 +311,9 @@ impl DataPlane {
     pub fn set_healthy(&self, id: WorkerId, healthy: bool) -> bool {
         match self.shared.workers.read().get(&id) {
             Some(w) => {
-                w.healthy.store(healthy, Ordering::SeqCst);
+                if w.healthy.swap(healthy, Ordering::SeqCst) && !healthy {
+                    w.mark_down();
+                }
                 true
             }
             None => false,
@@ -664,6 +686,7 @@ impl Shared {
         self.metrics.upstream_error(&w.url);
         let known = self.workers.read().contains_key(&w.id);
         if known && w.healthy.swap(false, Ordering::SeqCst) {
+            w.mark_down();
             let _ = self.router.remove_worker(w.id);
             if let Some(a) = &self.approx {
                 a.drop_worker(w.id);
@@ -781,7 +804,12 @@ async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instant, mut adm:
 async fn unified(call: &Call<'_>, worker: WorkerId, mut lease: Lease, adm: Admission) -> Attempted {
     let Some(w) = call.sh.worker(worker) else { return Err((adm, Failure::unknown(worker))) };
     let dispatch = Dispatch::new(w.clone());
-    match open(call.sh, &w, call.endpoint, call.headers, call.raw, call.stream).await {
+    let down = w.went_down();
+    let opened = tokio::select! {
+        r = open(call.sh, &w, call.endpoint, call.headers, call.raw, call.stream) => r,
+        () = down => Err("the worker was marked unhealthy before it answered".to_string()),
+    };
+    match opened {
         Ok(opened) => {
             lease.prefill_done();
             Ok(relay(call.sh, &w, opened, Hold { _lease: Some(lease), _dispatch: Some(dispatch), ..Hold::default() }, adm))
@@ -799,6 +827,7 @@ fn relay(sh: &Arc<Shared>, w: &Arc<Worker>, opened: Opened, mut hold: Hold, adm:
     body.upstream = rest;
     body.read_timeout = Some(sh.cfg.read_timeout);
     body.on_break = Some(Break { sh: sh.clone(), worker: w.clone(), sse });
+    body.down = Some(w.went_down());
     body.hold = Some(hold);
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
@@ -959,20 +988,37 @@ pub struct PlaneBody {
     read_timeout: Option<Duration>,
     timer: Option<Pin<Box<Sleep>>>,
     on_break: Option<Break>,
+    /// The relayed worker was marked unhealthy: end the stream now, not at the read timeout.
+    down: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     hold: Option<Hold>,
 }
 
 impl PlaneBody {
     fn full(data: Bytes) -> PlaneBody {
-        PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, hold: None }
+        PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, down: None, hold: None }
     }
 
     /// The body reached its end: a hold's admission counts as completed, its lease as finished.
     fn finish(&mut self) {
+        self.answered();
+        self.hold = None;
+    }
+
+    /// The client has the whole answer (the body's end, or an SSE stream's final `data: [DONE]`): a
+    /// client that closes now completed its request. The `openai` client closes as soon as it reads
+    /// `[DONE]`, often before the engine's end of stream reaches the plane.
+    fn answered(&mut self) {
         if let Some(adm) = self.hold.as_mut().and_then(|h| h.adm.as_mut()) {
             adm.completed = true;
         }
-        self.hold = None;
+    }
+
+    /// Relays `d`, first noting whether it ends an SSE stream.
+    fn data(&mut self, d: Bytes) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if self.on_break.as_ref().is_some_and(|b| b.sse) && sse_done(&d) {
+            self.answered();
+        }
+        Poll::Ready(Some(Ok(Frame::data(d))))
     }
 
     /// The upstream broke mid-stream: mark the worker, and for SSE tell the client in-band.
@@ -989,6 +1035,12 @@ impl PlaneBody {
     }
 }
 
+/// Whether an SSE chunk ends with the OpenAI stream's final event, `data: [DONE]`.
+fn sse_done(chunk: &[u8]) -> bool {
+    let end = chunk.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(0, |i| i + 1);
+    chunk[..end].ends_with(b"data: [DONE]")
+}
+
 impl Body for PlaneBody {
     type Data = Bytes;
     type Error = io::Error;
@@ -1001,7 +1053,7 @@ impl Body for PlaneBody {
                 this.finish();
             }
             if !first.is_empty() {
-                return Poll::Ready(Some(Ok(Frame::data(first))));
+                return this.data(first);
             }
         }
         loop {
@@ -1015,7 +1067,7 @@ impl Body for PlaneBody {
                         t.as_mut().reset(tokio::time::Instant::now() + rt);
                     }
                     match frame.into_data() {
-                        Ok(d) if !d.is_empty() => return Poll::Ready(Some(Ok(Frame::data(d)))),
+                        Ok(d) if !d.is_empty() => return this.data(d),
                         _ => continue,
                     }
                 }
@@ -1031,6 +1083,13 @@ impl Body for PlaneBody {
                     }
                 }
                 Poll::Pending => {
+                    if this.down.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
+                        this.down = None;
+                        if let Some(chunk) = this.broke("the worker was marked unhealthy") {
+                            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                        }
+                        continue;
+                    }
                     let Some(rt) = this.read_timeout else { return Poll::Pending };
                     let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(rt)));
                     if timer.as_mut().poll(cx).is_pending() {

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig};
@@ -92,5 +92,112 @@ fn refused_worker_is_retried_marked_and_load_released() {
     assert!(resp.starts_with("HTTP/1.1 413") && resp.contains("request body larger than 1048576 bytes"), "{resp}");
     dp.stop();
     assert!(!dp.is_running());
+    dp.stop();
+}
+
+/// Reads from `s` until `marker` arrived (bounded by the socket's read timeout), then returns.
+fn read_until(s: &mut TcpStream, marker: &str) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(marker) {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "connection closed before {marker:?}: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[test]
+fn a_stream_read_to_done_is_a_2xx_even_when_the_client_closes_before_its_end() {
+    // The engine sends its last SSE event but not (yet) the end of its chunked body: the `openai`
+    // client reads `data: [DONE]` and closes, as it does with real engines (issue #11: 5 of 20
+    // finished streams were counted as disconnected).
+    let fake = common::fake(|body| {
+        let events = if String::from_utf8_lossy(body).contains("unfinished") { "data: one\n\n" } else { "data: one\n\ndata: [DONE]\n\n" };
+        Some(format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n",
+            events.len()
+        ))
+    });
+    let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
+    router.add_worker(0, WorkerSpec::default()).unwrap();
+    let dp = DataPlane::new(router.clone(), config(fake.addr), None).unwrap();
+    dp.add_worker(0, &format!("http://{}", fake.addr), Role::Both, None).unwrap();
+    let addr = dp.start().unwrap();
+    let count = |class: &str| dp.metrics().requests.get(&("/v1/chat/completions".to_string(), class.to_string())).copied().unwrap_or(0);
+    for (prompt, marker) in [("finished", "[DONE]"), ("unfinished", "data: one")] {
+        let body = format!(r#"{{"messages": [{{"role": "user", "content": "{prompt}"}}], "stream": true}}"#);
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let got = read_until(&mut s, marker);
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+        drop(s); // the client is done reading
+        common::poll("the request's release", || dp.in_flight() == 0);
+    }
+    assert_eq!(count("2xx"), 1, "the stream read to its [DONE] is complete");
+    assert_eq!(count("disconnected"), 1, "the one left before its last event is a disconnect");
+    assert_eq!(router.num_in_flight(), 0);
+    dp.stop();
+}
+
+#[test]
+fn requests_on_a_worker_marked_unhealthy_end_at_once() {
+    // A SIGTERMed vLLM aborts its engine but holds its open streams silent until it exits: once the
+    // worker is marked unhealthy (a failed request, a failed probe), its streams end now, with the
+    // in-band error, and a request still waiting for its answer is retried on another worker.
+    let silent = common::fake(|body| {
+        if String::from_utf8_lossy(body).contains("waiting") {
+            return None; // never answers
+        }
+        let ev = "data: one\n\n";
+        Some(format!("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{ev}\r\n", ev.len()))
+    });
+    let (good, _) = fake_server(SSE);
+    let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
+    router.add_worker(0, WorkerSpec::default()).unwrap();
+    router.add_worker(1, WorkerSpec::default()).unwrap();
+    let dp = Arc::new(DataPlane::new(router.clone(), config(silent.addr), None).unwrap());
+    dp.add_worker(0, &format!("http://{}", silent.addr), Role::Both, None).unwrap();
+    dp.add_worker(1, &format!("http://{good}"), Role::Both, None).unwrap();
+    let addr = dp.start().unwrap();
+    let pin = |body: &str| {
+        let hashes = kvroute_gateway::approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+        router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
+    };
+    let send = |body: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        s
+    };
+
+    // 1. Mid-stream: the first event arrived, then silence (the read timeout is 5 s).
+    let body = format!(r#"{{"prompt": "{}", "stream": true}}"#, "streaming ".repeat(100));
+    pin(&body);
+    let mut s = send(&body);
+    read_until(&mut s, "data: one");
+    let t0 = Instant::now();
+    dp.set_healthy(0, false);
+    let rest = read_until(&mut s, "upstream worker failed mid-stream");
+    assert!(t0.elapsed() < Duration::from_secs(2), "the stream ended {:?} after the worker went down", t0.elapsed());
+    assert!(rest.contains("the worker was marked unhealthy"), "{rest}");
+
+    // 2. Before the first byte: retried on the other worker.
+    dp.set_healthy(0, true);
+    let _ = router.add_worker(0, WorkerSpec::default()); // the owner's probe adds it back; still there here
+    let body = format!(r#"{{"prompt": "{}", "stream": true}}"#, "waiting ".repeat(100));
+    pin(&body);
+    let mut s = send(&body);
+    common::poll("the request to reach the silent worker", || silent.seen.lock().unwrap().len() == 2);
+    let t0 = Instant::now();
+    router.remove_worker(0).unwrap(); // as the owner does when it marks a worker unhealthy
+    dp.set_healthy(0, false);
+    let got = read_until(&mut s, "[DONE]");
+    assert!(t0.elapsed() < Duration::from_secs(2), "answered {:?} after the worker went down", t0.elapsed());
+    assert!(got.contains(&format!("X-Kvroute-Worker: http://{good}\r\n")), "{got}");
+    drop(s);
+    common::poll("the requests' release", || dp.in_flight() == 0);
+    assert_eq!(router.num_in_flight(), 0);
     dp.stop();
 }

@@ -1,0 +1,602 @@
+"""The real-engine bed: a tiny local model and vLLM CPU engines on free 127.0.0.1 ports, with prefix
+caching and KV events; every process started here is stopped by its own PID (bounded waits, SIGKILL last).
+
+Importable (tests/e2e/, benchmarks, later integrations) and a small CLI:
+
+    python tests/vllm_bed.py model DIR           # builds the tiny model directory (deterministic)
+    python tests/vllm_bed.py up --engines 2      # starts engines, prints their URLs, stops them on Ctrl-C
+
+The bed lives in ``$KVROUTE_E2E_BED`` (default ``<checkout>/.e2e``), built by ``e2e/build_bed.sh``:
+``venv/`` (vLLM's CPU build, kvroute, openai) and ``model/``. Only the standard library is needed to
+start engines; building the model needs ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BLOCK_SIZE",
+    "MODEL_NAME",
+    "Bed",
+    "BedError",
+    "Engine",
+    "build_model",
+    "free_port",
+    "http_json",
+    "poll",
+    "skip_unless_bed",
+    "stop_pid",
+    "unavailable",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny-llama"
+BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
+VOCAB_SIZE = 4096
+
+# ChatML with a BOS in front; the tokenizer's post-processor adds the same BOS to completions prompts.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# What the engines need on this CPU build (issue #11): 1 GiB KV space, no thread pinning, one OpenMP
+# thread (2 cores shared by several engines), no hub, and /reset_prefix_cache.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class BedError(RuntimeError):
+    """The bed is missing or an engine failed to start or stop; the message says which and where its log is."""
+
+
+def bed_dir() -> Path:
+    return Path(os.environ.get("KVROUTE_E2E_BED") or ROOT / ".e2e").resolve()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """One HTTP request with a JSON body (or none); returns (status, decoded JSON or text)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def poll(pred: Any, timeout: float, what: str, interval: float = 0.02) -> None:
+    """Waits until ``pred()`` is true (bounded; raises TimeoutError naming ``what``): engines publish KV
+    events on their next scheduler step, so tests synchronise on the state they expect, never on a sleep."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+
+def _corpus() -> list[str]:
+    """Text found on the machine, in a fixed order: the Python sources of a few standard-library
+    packages (deterministic for one Python version, and unchanged by edits to this checkout)."""
+    import email
+    import http
+    import json as _json
+    import logging
+    import urllib
+
+    files: list[Path] = []
+    for pkg in (_json, email, http, logging, urllib):
+        files += sorted(Path(pkg.__file__).parent.glob("*.py"))
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def build_model(path: Path) -> Path:
+    """Writes a tiny LlamaForCausalLM directory (config.json, tokenizer.json, tokenizer_config.json)
+    for ``--load-format dummy``: random weights, a real byte-level BPE tokenizer and chat template."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tok.save(str(path / "tokenizer.json"))
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    return path
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc), so a stop reaches vLLM's engine-core process too."""
+    parents: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in parents.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stop_pid(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+    """Stops ``proc`` and its descendants by their PIDs: ``sig``, a bounded wait, then SIGKILL."""
+    kids = _children(proc.pid)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    deadline = time.monotonic() + (timeout if sig != signal.SIGKILL else 0)
+    kids = [k for k in kids if _alive(k)]
+    while kids and time.monotonic() < deadline:
+        time.sleep(0.1)
+        kids = [k for k in kids if _alive(k)]
+    for k in kids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(k, signal.SIGKILL)
+
+
+_live: set[Engine | Gateway] = set()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _live_lock:
+        engines = list(_live)
+    for e in engines:
+        e.stop(timeout=10)
+
+
+@dataclass(eq=False)
+class Engine:
+    """One vLLM OpenAI server on 127.0.0.1: ``url``, ``events`` (ZMQ PUB, an ipc socket) and ``replay``
+    (ROUTER, tcp) endpoints. They stay fixed across ``restart()`` so subscribers reconnect to the new process."""
+
+    bed: Bed
+    name: str
+    num_blocks: int = 64
+    max_model_len: int | None = None  # default: what the cache holds (one block is vLLM's null block), at most 1024
+    extra_args: Sequence[str] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        # vLLM 0.32 binds its PUB socket only for a wildcard (tcp://*:P) or ipc/inproc endpoint and
+        # *connects* it to any other tcp address; an ipc socket binds and stays on this machine.
+        return f"ipc://{self.bed.logs}/{self.name}.events"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.bed.logs / f"{self.name}.log"
+
+    def argv(self) -> list[str]:
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
+            "topic": "kv-events",
+        }
+        return [
+            str(self.bed.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.bed.model),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--load-format",
+            "dummy",
+            "--seed",
+            "0",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-gpu-blocks-override",
+            str(self.num_blocks),
+            "--max-model-len",
+            str(self.max_model_len or min(1024, (self.num_blocks - 1) * BLOCK_SIZE)),
+            "--max-num-seqs",
+            "8",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            # Eager mode: no torch.compile warm-up (~30 s start instead of ~70 s); caching, events and
+            # streaming are the same.
+            "--enforce-eager",
+            "--kv-events-config",
+            json.dumps(kv_events),
+            *self.extra_args,
+        ]
+
+    def start(self) -> Engine:
+        """Launches the server (returns at once; ``wait_ready`` waits for /health)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise BedError(f"engine {self.name} is already running (pid {self.proc.pid})")
+        self.bed.logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **ENGINE_ENV, **self.extra_env}
+        env.pop("VIRTUAL_ENV", None)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== start {self.starts} : {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.starts += 1
+        with _live_lock:
+            _live.add(self)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout: float = 240.0) -> Engine:
+        """Polls /health until 200; raises BedError (with the log's tail) if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise BedError(
+                    f"engine {self.name} exited with {self.proc and self.proc.returncode} before /health; log:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        raise BedError(f"engine {self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Stops the server and its engine-core process by PID (``sig``, bounded wait, SIGKILL)."""
+        if self.proc is not None:
+            stop_pid(self.proc, sig, timeout)
+        with _live_lock:
+            _live.discard(self)
+
+    def restart(self, timeout: float = 240.0) -> Engine:
+        self.stop()
+        return self.start().wait_ready(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # ---- the engine's own API ----
+
+    def tokenize(self, body: dict[str, Any]) -> list[int]:
+        status, out = http_json("POST", self.url + "/tokenize", {"model": MODEL_NAME, **body})
+        if status != 200:
+            raise BedError(f"{self.name} /tokenize answered {status}: {out}")
+        return list(out["tokens"])
+
+    def reset_prefix_cache(self) -> None:
+        status, out = http_json("POST", self.url + "/reset_prefix_cache")
+        if status != 200:
+            raise BedError(f"{self.name} /reset_prefix_cache answered {status}: {out}")
+
+    def complete(self, body: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        """POST /v1/completions (or /v1/chat/completions when ``body`` has messages); the JSON answer."""
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, out = http_json("POST", self.url + path, {"model": MODEL_NAME, **body}, timeout)
+        if status != 200:
+            raise BedError(f"{self.name} {path} answered {status}: {out}")
+        return dict(out)
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's Prometheus counters and gauges, keyed by the sample line's name and labels."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for key, v in self.metrics().items():
+            base, _, rest = key.partition("{")
+            if base == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
+                total += v
+        return total
+
+
+@dataclass(eq=False)
+class Gateway:
+    """``kvroute serve`` (the bed's kvroute) in front of ``engines``, KV events on, on a free port."""
+
+    bed: Bed
+    engines: Sequence[Engine]
+    args: Sequence[str] = ()
+    name: str = "gateway"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.bed.logs / f"{self.name}.log"
+
+    def argv(self) -> list[str]:
+        out = [str(self.bed.python), "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        out += ["--block-size", str(BLOCK_SIZE), "--health-interval", "0.5"]
+        for e in self.engines:
+            out += ["--worker", e.url, "--kv-events", f"{e.url}={e.events}", "--kv-events-replay", f"{e.url}={e.replay}"]
+        return out + list(self.args)
+
+    def start(self, timeout: float = 60.0) -> Gateway:
+        self.bed.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return self
+            time.sleep(0.2)
+        raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc, sig, timeout)
+        with _live_lock:
+            _live.discard(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The gateway's own Prometheus samples (``name{labels}`` -> value)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    out[key] = float(value)
+        return out
+
+
+class Bed:
+    """The built bed (venv + model) and the engines started from it."""
+
+    def __init__(self, root: Path | None = None, logs: bool = True) -> None:
+        self.root = root or bed_dir()
+        self.python = self.root / "venv" / "bin" / "python"
+        self.model = self.root / "model"
+        self.logs = Path(tempfile.mkdtemp(prefix="kvroute-e2e-logs-")) if logs else Path(tempfile.gettempdir())
+        self.engines: list[Engine] = []
+
+    def missing(self) -> str | None:
+        """Why this bed cannot run engines, or None when it can."""
+        if not self.python.exists():
+            return f"no bed venv at {self.python.parent.parent} (build it with `make e2e` or e2e/build_bed.sh)"
+        if not list((self.root / "venv").glob(".complete-*")):
+            return f"the bed venv at {self.root / 'venv'} is incomplete (rerun e2e/build_bed.sh)"
+        if not (self.model / "config.json").exists():
+            return f"no model at {self.model} (rerun e2e/build_bed.sh)"
+        return None
+
+    def engine(self, name: str | None = None, **kw: Any) -> Engine:
+        e = Engine(self, name or f"engine{len(self.engines)}", **kw)
+        self.engines.append(e)
+        return e
+
+    def start(self, n: int, timeout: float = 300.0, **kw: Any) -> list[Engine]:
+        """Starts ``n`` engines at once and waits until all are healthy (stops them all on failure)."""
+        engines = [self.engine(**kw) for _ in range(n)]
+        try:
+            for e in engines:
+                e.start()
+            for e in engines:
+                e.wait_ready(timeout)
+        except BaseException:
+            for e in engines:
+                e.stop(timeout=10)
+            raise
+        return engines
+
+    def stop_all(self) -> None:
+        for e in self.engines:
+            e.stop(timeout=20)
+
+    @contextlib.contextmanager
+    def running(self, n: int, **kw: Any) -> Iterator[list[Engine]]:
+        engines = self.start(n, **kw)
+        try:
+            yield engines
+        finally:
+            for e in engines:
+                e.stop(timeout=20)
+
+
+def unavailable(bed: Bed | None = None) -> str | None:
+    """Why the e2e tests cannot run in this interpreter, or None: they run in the bed's own venv
+    (``make e2e``), which has vLLM, kvroute and openai."""
+    bed = bed or Bed(logs=False)
+    why = bed.missing()
+    if why:
+        return why
+    if Path(sys.prefix).resolve() != (bed.root / "venv").resolve():
+        return f"the e2e tests run in the bed's interpreter ({bed.python}): use `make e2e`"
+    for mod in ("vllm", "openai", "zmq", "kvroute"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"the bed venv lacks {mod}: rerun e2e/build_bed.sh"
+    return None
+
+
+def skip_unless_bed() -> None:
+    """At the top of an e2e test module: skips it without the bed, or fails with KVROUTE_E2E_REQUIRED=1
+    (CI and ``make e2e``: a missing bed must not pass as a skip)."""
+    import pytest
+
+    why = unavailable()
+    if why is None:
+        return
+    if os.environ.get("KVROUTE_E2E_REQUIRED") == "1":
+        pytest.fail(f"KVROUTE_E2E_REQUIRED=1 but the real-engine bed is unavailable: {why}", pytrace=False)
+    pytest.skip(f"real-engine bed unavailable: {why}", allow_module_level=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="vllm_bed", description="kvroute's real-engine bed")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("model", help="build the tiny model directory")
+    m.add_argument("dir", type=Path)
+    u = sub.add_parser("up", help="start engines until Ctrl-C")
+    u.add_argument("--engines", type=int, default=2)
+    u.add_argument("--num-blocks", type=int, default=64)
+    a = p.parse_args(argv)
+    if a.cmd == "model":
+        print(build_model(a.dir))
+        return 0
+    bed = Bed()
+    why = bed.missing()
+    if why:
+        print(f"vllm_bed: {why}", file=sys.stderr)
+        return 2
+    with bed.running(a.engines, num_blocks=a.num_blocks) as engines:
+        for e in engines:
+            print(f"{e.name}: {e.url} events={e.events} replay={e.replay} log={e.log_path}", flush=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
