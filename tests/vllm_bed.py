@@ -429,6 +429,7 @@ class Gateway:
     name: str = "gateway"
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    prefill: Sequence[Engine] = ()  # PD mode: these of ``engines`` prefill (--prefill), the others decode (--decode)
 
     @property
     def url(self) -> str:
@@ -442,7 +443,8 @@ class Gateway:
         out = [str(self.bed.python), "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         out += ["--block-size", str(BLOCK_SIZE), "--health-interval", "0.5"]
         for e in self.engines:
-            out += ["--worker", e.url, "--kv-events", f"{e.url}={e.events}", "--kv-events-replay", f"{e.url}={e.replay}"]
+            role = "--prefill" if e in self.prefill else "--decode" if self.prefill else "--worker"
+            out += [role, e.url, "--kv-events", f"{e.url}={e.events}", "--kv-events-replay", f"{e.url}={e.replay}"]
         return out + list(self.args)
 
     def start(self, timeout: float = 60.0) -> Gateway:

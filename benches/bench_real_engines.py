@@ -1,0 +1,396 @@
+"""Routers in front of the same real vLLM CPU engines (the bed, docs/e2e.md), one multi-turn chat
+workload through the official ``openai`` client, streamed; the engines' own counters say what each router bought.
+
+    KVROUTE_E2E_BED=.e2e .e2e/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
+        [--conversations 64] [--turns 6] [--threads 6] [--sglang-router PATH] [--vllm-router PATH] [--no-pd]
+
+Routers, in turn, on the same 2 unified engines (caches reset between them): ``kvroute serve`` (default
+policy, exact mode with the model's tokenizer.json + chat template, KV events), kvroute with
+``--policy round_robin``, ``sglang-router launch --policy cache_aware`` and ``vllm-router --policy
+cache_aware`` (each skipped when not installed). Then a PD run: 1 prefill + 1 decode engine with vLLM's
+``ExampleConnector`` on one shared directory, behind ``kvroute serve --prefill P --decode D --pd-convention vllm``.
+
+Per router: the engines' prefix-cache hit rate (deltas of ``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total``), client TTFT (request sent to first streamed chunk) p50/p99,
+errors, prompt tokens per engine (``vllm:prompt_tokens_total`` deltas). For kvroute, a shadow
+``kvroute.Router`` beside the gateway (same policy and defaults, its index fed by the same engines'
+KV events) routes each request before it is sent; its predicted TTFT for the engine the gateway chose
+(``X-Kvroute-Worker``) is compared with the measured TTFT. The gateway does not expose its own prediction.
+
+Workload (seeded): S shared system prompts, C conversations (more than the caches hold), T turns
+each; the assistant turns in the history are seeded text, not the model's output (random weights),
+so every router sees the same prompts. Client threads each own C/threads conversations and advance
+them round robin, turn by turn, so a conversation's next turn comes after the others' turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, Gateway, free_port, http_json, poll, stop_pid
+
+MAX_TOKENS = 16
+
+
+# ---- the workload ---------------------------------------------------------------------------------
+
+
+def vocabulary(model: Path) -> list[str]:
+    """Whole words of the model's own BPE vocabulary (so prompts tokenize like text, not bytes)."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    return sorted(w[1:] for w in vocab if re.fullmatch(r"Ġ[a-z]{3,}", w))
+
+
+@dataclass
+class Conversation:
+    system: str
+    turns: list[tuple[str, str]]  # (user message, the assistant reply the next turns' history holds)
+
+    def messages(self, turn: int) -> list[dict[str, str]]:
+        out = [{"role": "system", "content": self.system}]
+        for user, reply in self.turns[:turn]:
+            out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return [*out, {"role": "user", "content": self.turns[turn][0]}]
+
+
+def workload(words: list[str], systems: int, conversations: int, turns: int, seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n)).capitalize() + "."
+
+    prompts = [f"System prompt {s}. " + text(rng.randint(250, 350)) for s in range(systems)]
+    return [
+        Conversation(rng.choice(prompts), [(text(rng.randint(30, 60)), text(rng.randint(15, 30))) for _ in range(turns)])
+        for _ in range(conversations)
+    ]
+
+
+# ---- one run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Shadow:
+    """A kvroute.Router beside the gateway, with the gateway's defaults, fed by the same engines' KV
+    events: its predicted TTFT for the engine the gateway picked, per request."""
+
+    engines: Sequence[Engine]
+    policy: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        import kvroute
+        from kvroute.events import KvEventSubscriber
+        from kvroute.gateway.prompt import ExactPrompter
+
+        self.prompter = ExactPrompter(str(self.engines[0].bed.model), BLOCK_SIZE, 1337)
+        self.router = kvroute.Router(block_size=BLOCK_SIZE, **({"policy": self.policy} if self.policy else {}))
+        for w in range(len(self.engines)):
+            self.router.add_worker(w)
+        self.worker_of = {e.url: w for w, e in enumerate(self.engines)}
+        self.sub = KvEventSubscriber(
+            self.router.index,
+            {w: e.events for w, e in enumerate(self.engines)},
+            replay_endpoints={w: e.replay for w, e in enumerate(self.engines)},
+            topic="kv-events",
+            block_size=BLOCK_SIZE,
+        ).start()
+
+    def route(self, rid: int, messages: list[dict[str, str]]) -> dict[int, float]:
+        p = self.prompter.prompt({"messages": messages}, True)
+        with self.lock:
+            d = self.router.route(hashes=p.hashes, num_tokens=p.num_tokens, request_id=rid, output_tokens=MAX_TOKENS, explain=True)
+        return {int(s["worker"]): float(s["predicted_ttft"]) for s in d.explain or ()}
+
+    def event(self, what: str, rid: int) -> None:
+        with self.lock:
+            getattr(self.router, what)(rid)
+
+    def close(self) -> None:
+        self.sub.stop()
+
+
+@dataclass
+class Result:
+    router: str
+    engines: str
+    requests: int = 0
+    errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+    hit_rate: float = 0.0
+    prompt_tokens: list[int] = field(default_factory=list)
+    external_kv_tokens: int = 0
+    predicted: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured TTFT) per request (kvroute)
+    wall_s: float = 0.0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        def q(p: float) -> float | None:
+            s = sorted(self.ttft)
+            return round(s[min(len(s) - 1, int(p * len(s)))] * 1e3, 1) if s else None
+
+        return {
+            "router": self.router,
+            "engines": self.engines,
+            "requests": self.requests,
+            "errors": self.errors,
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_p50_ms": q(0.5),
+            "ttft_p99_ms": q(0.99),
+            "prompt_tokens_per_engine": self.prompt_tokens,
+            "external_kv_tokens": self.external_kv_tokens,
+            "pred_ttft_abs_err_ms": round(statistics.fmean(abs(p - m) for p, m in self.predicted) * 1e3, 1) if self.predicted else None,
+            "pred_ttft_mean_ms": round(statistics.fmean(p for p, _ in self.predicted) * 1e3, 1) if self.predicted else None,
+            "measured_ttft_mean_ms": round(statistics.fmean(m for _, m in self.predicted) * 1e3, 1) if self.predicted else None,
+            "pred_ttft_corr": round(statistics.correlation(*zip(*self.predicted)), 3) if len(self.predicted) > 2 else None,
+            "pred_ttft_n": len(self.predicted),
+            "wall_s": round(self.wall_s, 1),
+            "error_kinds": self.error_kinds,
+        }
+
+
+def counters(engines: Sequence[Engine]) -> list[dict[str, float]]:
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total")
+    out = []
+    for e in engines:
+        m = {n: e.metric(n) for n in names}
+        m["external"] = e.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        out.append(m)
+    return out
+
+
+def reset(engines: Sequence[Engine]) -> None:
+    """Empties every engine's prefix cache; one request makes it step, so the clear is published.
+    (Its prompt is two blocks long: on this bed a first request of a few tokens has killed the
+    engine's worker with SIGILL, the tests' longer first requests never did.)"""
+    for i, e in enumerate(engines):
+        e.reset_prefix_cache()
+        e.complete({"prompt": " ".join(f"reset{i}x{k}" for k in range(40)), "max_tokens": 1, "temperature": 0})
+
+
+def drive(url: str, convs: list[Conversation], threads: int, res: Result, shadow: Shadow | None) -> None:
+    import openai
+
+    lock = threading.Lock()
+    counter = iter(range(10**9))
+
+    def one(c: openai.OpenAI, conv: Conversation, turn: int) -> None:
+        msgs = conv.messages(turn)
+        with lock:
+            rid = next(counter)
+        predicted = shadow.route(rid, msgs) if shadow else {}
+        t0 = time.perf_counter()
+        first = None
+        try:
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL_NAME,
+                messages=msgs,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            worker = raw.headers.get("x-kvroute-worker")
+            finish = None
+            for chunk in raw.parse():
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - t0
+                    if shadow:
+                        shadow.event("prefill_done", rid)
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            if first is None or finish is None:
+                raise RuntimeError(f"stream ended without {'a chunk' if first is None else 'a finish_reason'}")
+            with lock:
+                res.ttft.append(first)
+                w = shadow.worker_of.get((worker or "").rstrip("/")) if shadow else None
+                if w is not None and w in predicted:
+                    res.predicted.append((predicted[w], first))
+        except Exception as e:
+            with lock:
+                res.errors += 1
+                res.error_kinds[type(e).__name__] = res.error_kinds.get(type(e).__name__, 0) + 1
+        finally:
+            with lock:
+                res.requests += 1
+            if shadow:
+                shadow.event("finished" if first is not None else "cancel", rid)
+
+    def client(mine: list[Conversation]) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120.0, max_retries=0)
+        for turn in range(len(mine[0].turns) if mine else 0):
+            for conv in mine:
+                one(c, conv, turn)
+
+    ts = [threading.Thread(target=client, args=(convs[i::threads],)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    res.wall_s = time.perf_counter() - t0
+
+
+class Peer:
+    """A router process of another project (sglang-router, vllm-router) on a free port, stopped by PID."""
+
+    def __init__(self, bed: Bed, name: str, argv: list[str]) -> None:
+        self.name, self.port = name, free_port()
+        self.log = bed.logs / f"{name}.log"
+        argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1"]
+        argv += ["--prometheus-port", str(free_port())]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log {self.log}")
+        try:
+            status, _ = http_json("GET", self.url + "/v1/models", timeout=2)
+        except OSError:
+            return False
+        return status == 200
+
+    def stop(self) -> None:
+        stop_pid(self.proc, timeout=10)
+
+
+def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversation], threads: int, shadow: bool, desc: str) -> Result:
+    """One router: caches reset, the router started, the workload driven, counters' deltas taken."""
+    reset(engines)
+    res = Result(name, desc)
+    sh = None
+    try:
+        if isinstance(front, Gateway):
+            front.start()
+        else:
+            poll(front.ready, 60, f"{front.name} ready", interval=0.2)
+        if shadow:
+            sh = Shadow(engines, policy=None)
+        before = counters(engines)
+        drive(front.url, convs, threads, res, sh)
+        after = counters(engines)
+    finally:
+        front.stop()
+        if sh:
+            sh.close()
+    q = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"] for a, b in zip(after, before))
+    h = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before))
+    res.hit_rate = h / q if q else 0.0
+    res.prompt_tokens = [int(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"]) for a, b in zip(after, before)]
+    res.external_kv_tokens = int(sum(a["external"] - b["external"] for a, b in zip(after, before)))
+    return res
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'router':<26}{'engines':<14}{'hit %':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'errors':>8}  {'prompt tokens per engine':<26}{'|pred-TTFT| ms, corr':>22}"
+    )
+    for r in rows:
+        pt = " / ".join(str(x) for x in r["prompt_tokens_per_engine"])
+        if r["external_kv_tokens"]:
+            pt += f" ({r['external_kv_tokens']} by transfer)"
+        err = "" if r["pred_ttft_abs_err_ms"] is None else f"{r['pred_ttft_abs_err_ms']:.1f}, r={r['pred_ttft_corr']}"
+        p50, p99 = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("ttft_p50_ms", "ttft_p99_ms"))
+        print(f"{r['router']:<26}{r['engines']:<14}{r['hit_rate'] * 100:>7.1f}{p50:>13}{p99:>9}{r['errors']:>8}  {pt:<26}{err:>22}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="one JSON line per router (after the table)")
+    ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens per engine (default 192)")
+    ap.add_argument("--systems", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=6, help="client threads (default 6)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sglang-router", default=shutil.which("sglang-router"), help="sglang-router executable (default: on PATH)")
+    ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="vllm-router executable (default: on PATH)")
+    ap.add_argument(
+        "--routers", default="kvroute,round_robin,sglang,vllm", help="comma-separated subset of kvroute,round_robin,sglang,vllm"
+    )
+    ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
+    a = ap.parse_args(argv)
+
+    bed = Bed()
+    why = bed.missing()
+    if why:
+        print(f"bench_real_engines: {why}", file=sys.stderr)
+        return 2
+    words = vocabulary(bed.model)
+    convs = workload(words, a.systems, a.conversations, a.turns, a.seed)
+    exact = ["--tokenizer", str(bed.model), "--log-level", "warning"]
+    wanted = a.routers.split(",")
+    results: list[Result] = []
+    t_start = time.monotonic()
+    desc = f"2 x {a.num_blocks} blk"
+    with bed.running(2, num_blocks=a.num_blocks) as engines:
+        urls = [e.url for e in engines]
+        fronts: list[tuple[str, Any, bool]] = []
+        if "kvroute" in wanted:
+            fronts.append(("kvroute (default policy)", lambda: Gateway(bed, engines, exact, name="kvroute-default"), True))
+        if "round_robin" in wanted:
+            fronts.append(
+                ("kvroute round_robin", lambda: Gateway(bed, engines, [*exact, "--policy", "round_robin"], name="kvroute-rr"), False)
+            )
+        for key, exe, label in (
+            ("sglang", a.sglang_router, "sglang-router cache_aware"),
+            ("vllm", a.vllm_router, "vllm-router cache_aware"),
+        ):
+            if key not in wanted:
+                continue
+            if not exe:
+                print(f"{label}: not installed, skipped", file=sys.stderr)
+                continue
+            cmd = [exe, "launch"] if key == "sglang" else [exe]
+            cmd += ["--worker-urls", *urls, "--policy", "cache_aware"]
+            fronts.append((label, lambda cmd=cmd, key=key: Peer(bed, key, cmd), False))
+        for name, make, shadow in fronts:
+            r = run(name, engines, make(), convs, a.threads, shadow, desc)
+            results.append(r)
+            print(f"{name}: done in {r.wall_s:.0f} s ({time.monotonic() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
+    if not a.no_pd:
+        with tempfile.TemporaryDirectory(prefix="kvroute-pd-kv-") as kvdir:
+            cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": kvdir}}
+            pd_args = ["--kv-transfer-config", json.dumps(cfg)]
+            with bed.running(2, num_blocks=a.num_blocks, extra_args=pd_args) as (p, d):
+                gw = Gateway(bed, [p, d], [*exact, "--pd-convention", "vllm"], name="kvroute-pd", prefill=[p])
+                r = run("kvroute PD (vllm)", [p, d], gw, convs, a.threads, False, f"1P1D {a.num_blocks} blk")
+                results.append(r)
+                print(f"PD: done in {r.wall_s:.0f} s ({time.monotonic() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
+
+    rows = [r.row() for r in results]
+    turns = a.conversations * a.turns
+    print(
+        f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens each), {a.systems} system prompts, {a.conversations} "
+        f"conversations x {a.turns} turns = {turns} streamed chat requests per router, {a.threads} client threads, max_tokens {MAX_TOKENS}, "
+        f"seed {a.seed}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t_start:.0f} s in all"
+    )
+    print_table(rows)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+    return 0 if all(r.errors == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
