@@ -235,3 +235,24 @@ def test_kvroute_serve_chooses_its_data_plane(tmp_path: Path) -> None:
     assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--data-plane", "rust")
     assert not rust("--worker", "http://h:1", "--data-plane", "python")
     assert not rust("--worker", "http://h:1", "--http-server", "aiohttp")
+
+
+def test_kvroute_serve_local_prefill_max_tokens() -> None:
+    """--local-prefill-max-tokens reaches the Router (conditional disaggregation); bad values are refused."""
+    import argparse
+
+    from kvroute.gateway.cli import add_serve_parser, build_gateway
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    pd = ["serve", "--prefill", "http://p:1", "--decode", "http://d:1"]
+
+    def router_config(*argv: str) -> dict[str, object]:
+        return dict(build_gateway(parser.parse_args([*pd, *argv])).router.config)
+
+    assert router_config()["local_prefill_max_tokens"] == 0  # default: always disaggregate
+    assert router_config("--local-prefill-max-tokens", "64")["local_prefill_max_tokens"] == 64
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 0"):
+        router_config("--local-prefill-max-tokens", "-1")
+    with pytest.raises(argparse.ArgumentTypeError, match="vllm"):
+        router_config("--local-prefill-max-tokens", "64", "--pd-convention", "sglang")

@@ -44,30 +44,15 @@ def pd_engines(bed: vllm_bed.Bed) -> Iterator[tuple[vllm_bed.Engine, vllm_bed.En
                 e.stop(timeout=20)
 
 
-class ConditionalGateway(Gateway):
-    """``kvroute serve``'s own entry point with one Router option its CLI does not expose
-    (``local_prefill_max_tokens``): short prompts are prefilled on the decode worker (docs/router.md)."""
-
-    def argv(self) -> list[str]:
-        launcher = (
-            "import functools, sys, kvroute; "
-            f"kvroute.Router = functools.partial(kvroute.Router, local_prefill_max_tokens={LOCAL_PREFILL_MAX_TOKENS}); "
-            "from kvroute.gateway.cli import main; sys.exit(main(sys.argv[2:]))"
-        )
-        out = super().argv()
-        assert out[1:4] == ["-m", "kvroute.cli", "serve"], out[:4]
-        return [out[0], "-c", launcher, "serve", *out[4:]]
-
-
-def pd_gateway(cls: type[Gateway], engines: tuple[vllm_bed.Engine, vllm_bed.Engine], name: str) -> Gateway:
+def pd_gateway(engines: tuple[vllm_bed.Engine, vllm_bed.Engine], name: str, *extra: str) -> Gateway:
     prefill, decode = engines
-    args = ["--pd-convention", "vllm", "--tokenizer", str(prefill.bed.model), "--log-level", "warning"]
-    return cls(prefill.bed, [prefill, decode], args, name=name, prefill=[prefill]).start()
+    args = ["--pd-convention", "vllm", "--tokenizer", str(prefill.bed.model), "--log-level", "warning", *extra]
+    return Gateway(prefill.bed, [prefill, decode], args, name=name, prefill=[prefill]).start()
 
 
 @pytest.fixture(scope="module")
 def gateway(pd_engines: tuple[vllm_bed.Engine, vllm_bed.Engine]) -> Iterator[Gateway]:
-    gw = pd_gateway(Gateway, pd_engines, "gateway-pd")
+    gw = pd_gateway(pd_engines, "gateway-pd")
     try:
         yield gw
     finally:
@@ -161,7 +146,7 @@ def test_conditional_disaggregation(pd_engines: tuple[vllm_bed.Engine, vllm_bed.
     """A prompt with few uncached tokens is prefilled on the decode engine (path local: the prefill
     engine sees nothing); a long one is disaggregated, in the same gateway."""
     prefill, decode = pd_engines
-    gw = pd_gateway(ConditionalGateway, pd_engines, "gateway-pd-conditional")
+    gw = pd_gateway(pd_engines, "gateway-pd-conditional", "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS))
     try:
         rng = random.Random(1200)
         for stream in (False, True):

@@ -50,6 +50,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--pd-convention", choices=("vllm", "sglang"), default="vllm", help="PD handshake: vllm (kv_transfer_params) or sglang (bootstrap)"
     )
     g.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="engines' prefill speed the router assumes (default 20000)")
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine (default 0: always disaggregate)",
+    )
     r = p.add_argument_group("routing")
     r.add_argument("--policy", choices=list(POLICIES), default=None, help="routing policy (default: the Router's default)")
     r.add_argument("--ttft-slo", type=float, default=None, metavar="S", help="TTFT SLO in seconds; requests predicted to miss it get 429")
@@ -136,6 +143,11 @@ def build_gateway(a: argparse.Namespace) -> Any:
     router_kw: dict[str, Any] = {"block_size": block_size, "ttft_slo": a.ttft_slo, "tpot_slo": a.tpot_slo, "reject": not a.no_reject}
     if a.policy:
         router_kw["policy"] = a.policy
+    if a.local_prefill_max_tokens < 0:
+        raise argparse.ArgumentTypeError(f"--local-prefill-max-tokens must be >= 0, got {a.local_prefill_max_tokens}")
+    if a.local_prefill_max_tokens and a.pd_convention == "sglang":
+        raise argparse.ArgumentTypeError("--local-prefill-max-tokens needs --pd-convention vllm (SGLang decode servers need a bootstrap)")
+    router_kw["local_prefill_max_tokens"] = a.local_prefill_max_tokens
     router = Router(**router_kw)
     tps = a.prefill_tokens_per_s
     prefill = []
