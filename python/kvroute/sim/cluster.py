@@ -144,6 +144,19 @@ def make_router(
     return router
 
 
+def _prefill_pool(cluster: ClusterConfig, workload: Workload, index: KvIndex, n: int) -> _core.PrefillEngines:
+    """The simulated prefill instances 0..n-1, publishing their KV events into ``index``."""
+    return _core.PrefillEngines(
+        list(range(n)),
+        capacity_blocks=cluster.cache_blocks,
+        tokens_per_s=float(cluster.speed),
+        block_size=workload.block_size,
+        index=index,
+        event_lag=float(cluster.event_lag),
+        shared_cache=cluster.shared_cache,
+    )
+
+
 def simulate(
     workload: Workload,
     policy: str,
@@ -179,15 +192,7 @@ def simulate(
         )
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **(router_options or {}))
-    engines = _core.PrefillEngines(
-        list(range(cluster.instances)),
-        capacity_blocks=cluster.cache_blocks,
-        tokens_per_s=float(cluster.speed),
-        block_size=workload.block_size,
-        index=index,
-        event_lag=float(cluster.event_lag),
-        shared_cache=cluster.shared_cache,
-    )
+    engines = _prefill_pool(cluster, workload, index, cluster.instances)
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
     offsets = workload.hash_offsets.tolist()
@@ -302,15 +307,7 @@ def _simulate_pd(
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **router_options)
     p_n = cluster.instances
-    engines = _core.PrefillEngines(
-        list(range(p_n)),
-        capacity_blocks=cluster.cache_blocks,
-        tokens_per_s=float(cluster.speed),
-        block_size=workload.block_size,
-        index=index,
-        event_lag=float(cluster.event_lag),
-        shared_cache=cluster.shared_cache,
-    )
+    engines = _prefill_pool(cluster, workload, index, p_n)
     decoders = [_DecodeWorker() for _ in range(cluster.decode_instances)]
     # Incremental transfer: the decode instances' prefix caches (queues unused), in the same index.
     decode_caches = (
@@ -453,15 +450,7 @@ def _simulate_batched(
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **router_options)
     n_e = cluster.instances
-    engines = _core.PrefillEngines(
-        list(range(n_e)),
-        capacity_blocks=cluster.cache_blocks,
-        tokens_per_s=float(cluster.speed),
-        block_size=workload.block_size,
-        index=index,
-        event_lag=float(cluster.event_lag),
-        shared_cache=cluster.shared_cache,
-    )
+    engines = _prefill_pool(cluster, workload, index, n_e)
     bs = workload.block_size
     arrival = workload.arrival.tolist()
     num_tokens = workload.num_tokens.tolist()
