@@ -243,8 +243,27 @@ def _stop_all() -> None:
         e.stop(timeout=10)
 
 
+class _Server:
+    """What the bed's processes share: a log file and a stop by PID that forgets the process."""
+
+    proc: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _stop(self, sig: int, timeout: float) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc, sig, timeout)
+        with _live_lock:
+            _live.discard(self)  # type: ignore[arg-type]
+
+
 @dataclass(eq=False)
-class Engine:
+class Engine(_Server):
     """One vLLM OpenAI server on 127.0.0.1: ``url``, ``events`` (ZMQ PUB, an ipc socket) and ``replay``
     (ROUTER, tcp) endpoints. They stay fixed across ``restart()`` so subscribers reconnect to the new process."""
 
@@ -355,18 +374,9 @@ class Engine:
             time.sleep(0.5)
         raise BedError(f"engine {self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         """Stops the server and its engine-core process by PID (``sig``, bounded wait, SIGKILL)."""
-        if self.proc is not None:
-            stop_pid(self.proc, sig, timeout)
-        with _live_lock:
-            _live.discard(self)
+        self._stop(sig, timeout)
 
     def restart(self, timeout: float = 240.0) -> Engine:
         self.stop()
@@ -420,7 +430,7 @@ class Engine:
 
 
 @dataclass(eq=False)
-class Gateway:
+class Gateway(_Server):
     """``kvroute serve`` (the bed's kvroute) in front of ``engines``, KV events on, on a free port."""
 
     bed: Bed
@@ -465,17 +475,8 @@ class Gateway:
             time.sleep(0.2)
         raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc, sig, timeout)
-        with _live_lock:
-            _live.discard(self)
+        self._stop(sig, timeout)
 
     def metrics(self) -> dict[str, float]:
         """The gateway's own Prometheus samples (``name{labels}`` -> value)."""
