@@ -437,6 +437,9 @@ def test_engine_metrics_polling_feeds_router_observe() -> None:
             assert seen == {"waiting": 0.0, "running": 1.0, "kv_usage": pytest.approx(len(mock.cache) / mock.cache_blocks)}
             load = c.router.load(0)
             assert load["observed_running"] == 1 and load["observed_waiting"] == 0
+            async with c.client.get(c.url + "/health") as r:
+                row = (await r.json())["workers"][0]
+            assert row["observed_running"] == 1 and row["observed_waiting"] == 0 and row["observed_kv_usage"] == load["observed_kv_usage"]
             assert (await task)[0] == 200
 
     run(scenario())

@@ -10,6 +10,8 @@ import vllm_bed
 vllm_bed.skip_unless_bed()
 
 import re
+import threading
+import time
 from collections.abc import Iterator
 
 import openai
@@ -109,3 +111,50 @@ def test_engine_metrics_feed_router_observe(engines: list[vllm_bed.Engine]) -> N
         seen = parse_engine_metrics(r.read().decode())
     assert set(seen) == {"waiting", "running", "kv_usage"}, seen
     assert seen["waiting"] == 0 and seen["running"] == 0 and 0.0 <= seen["kv_usage"] <= 1.0
+
+
+def observed(gw: Gateway) -> dict[str, dict[str, object]]:
+    """The engines' last reports as the gateway's Router holds them (``/health``), by engine URL."""
+    _, body = vllm_bed.http_json("GET", gw.url + "/health", timeout=10)
+    return {w["url"]: w for w in body["workers"]}
+
+
+def test_engine_load_reaches_router_observe(gateway: Gateway, engines: list[vllm_bed.Engine]) -> None:
+    """While a long stream runs, the polled engine's running count (vLLM's own gauge) reaches the Router
+    through ``--metrics-interval`` polling, and falls back to 0 once it ends."""
+    c = client(gateway)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            msgs = [{"role": "user", "content": "Tell a long story about routers."}]
+            s = c.chat.completions.create(
+                model=MODEL_NAME,
+                messages=msgs,
+                max_tokens=600,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},  # type: ignore[arg-type]
+            )
+            for _ in s:
+                pass
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    seen_running: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not done.is_set() and time.monotonic() < deadline and not seen_running:
+        seen_running = {u for u, w in observed(gateway).items() if (w.get("observed_running") or 0) >= 1}
+        time.sleep(0.1)
+    t.join(timeout=60)
+    assert not t.is_alive() and not errors, errors
+    assert len(seen_running) == 1 and seen_running <= {e.url for e in engines}, (
+        f"no engine reported the running stream: {observed(gateway)}"
+    )
+    (url,) = seen_running
+    vllm_bed.poll(lambda: observed(gateway)[url].get("observed_running") == 0, timeout=15, what="the engine's running count back to 0")

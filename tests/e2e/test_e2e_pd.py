@@ -14,7 +14,10 @@ vllm_bed.skip_unless_bed()
 import json
 import random
 import re
+import signal
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -173,3 +176,53 @@ def test_conditional_disaggregation(pd_engines: tuple[vllm_bed.Engine, vllm_bed.
             assert dd.by_source["external_kv_transfer"] == (n - 1) // BLOCK_SIZE * BLOCK_SIZE, dd
     finally:
         gw.stop()
+
+
+KILL_BOUND = 20.0  # seconds: every request in flight when the prefill engine dies ends within this
+
+
+def test_prefill_engine_killed_mid_request(gateway: Gateway, pd_engines: tuple[vllm_bed.Engine, vllm_bed.Engine]) -> None:
+    """The prefill engine SIGKILLed while 3 client threads stream PD chats: every request ends within
+    KILL_BOUND with a complete answer or a clear API error (none hangs, none times out); afterwards,
+    with no prefill engine left, requests get a prompt 5xx and /health says the deployment is down.
+    (Runs last in this module: the prefill engine stays down.)"""
+    prefill, _ = pd_engines
+    outcomes: list[tuple[float, bool, str]] = []
+    lock, stop = threading.Lock(), threading.Event()
+
+    def run(k: int) -> None:
+        c = client(gateway)
+        rng = random.Random(1300 + k)
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                stream = c.chat.completions.create(model=MODEL_NAME, messages=long_messages(rng, 150), max_tokens=32, stream=True)  # type: ignore[arg-type]
+                finish = [ch.choices[0].finish_reason for ch in stream if ch.choices and ch.choices[0].finish_reason]
+                ok, detail = len(finish) == 1 and finish[0] in ("length", "stop"), f"finish={finish}"
+            except openai.APIConnectionError as e:  # timeouts included: no answer at all is not a clear error
+                ok, detail = False, f"{type(e).__name__}: {e}"
+            except openai.APIError as e:
+                ok, detail = True, f"clear error {type(e).__name__}: {e}"
+            with lock:
+                outcomes.append((time.monotonic() - t0, ok, detail))
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        vllm_bed.poll(lambda: len(outcomes) >= 3, timeout=60, what="3 PD requests answered before the fault")
+        prefill.stop(sig=signal.SIGKILL, timeout=10)
+        killed = len(outcomes)
+        vllm_bed.poll(lambda: len(outcomes) >= killed + 6, timeout=60, what="6 requests ended after the prefill engine died")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=KILL_BOUND + 30)
+    assert not any(t.is_alive() for t in threads), "a client request hung"
+    slow_or_bad = [o for o in outcomes if o[0] > KILL_BOUND or not o[1]]
+    assert not slow_or_bad, f"requests that hung, timed out or ended incomplete without an error: {slow_or_bad}"
+    vllm_bed.poll(lambda: vllm_bed.http_json("GET", gateway.url + "/health", timeout=10)[0] == 503, timeout=30, what="/health 503")
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client(gateway).chat.completions.create(model=MODEL_NAME, messages=long_messages(random.Random(1399), 100), max_tokens=4)  # type: ignore[arg-type]
+    assert 500 <= err.value.status_code < 600 and time.monotonic() - t0 < KILL_BOUND, (err.value.status_code, err.value.message)

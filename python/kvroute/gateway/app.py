@@ -348,6 +348,11 @@ class Gateway:
 
     def _worker_dicts(self) -> list[dict[str, Any]]:
         rows = [w.to_dict() for w in self.workers.values()]
+        for row in rows:
+            # What the engine last reported (--metrics-interval polling into Router.observe); None before any report.
+            with contextlib.suppress(UnknownWorkerError):
+                load = self.router.load(row["id"])
+                row.update({k: load[k] for k in ("observed_waiting", "observed_running", "observed_kv_usage")})
         if self.data_plane is not None:
             plane = {r["id"]: r for r in self.data_plane.workers()}
             for row in rows:
