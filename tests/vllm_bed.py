@@ -248,6 +248,19 @@ class _Server:
 
     proc: subprocess.Popen[bytes] | None
     log_path: Path
+    url: str
+
+    def metrics(self) -> dict[str, float]:
+        """The process's Prometheus samples from its /metrics, keyed by the sample line's name and labels."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    out[key] = float(value)
+        return out
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -407,18 +420,6 @@ class Engine(_Server):
             raise BedError(f"{self.name} {path} answered {status}: {out}")
         return dict(out)
 
-    def metrics(self) -> dict[str, float]:
-        """The engine's Prometheus counters and gauges, keyed by the sample line's name and labels."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    out[key] = float(value)
-        return out
-
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
         total = 0.0
@@ -477,18 +478,6 @@ class Gateway(_Server):
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         self._stop(sig, timeout)
-
-    def metrics(self) -> dict[str, float]:
-        """The gateway's own Prometheus samples (``name{labels}`` -> value)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    out[key] = float(value)
-        return out
 
 
 class Bed:
