@@ -246,9 +246,18 @@ def _stop_all() -> None:
 class _Server:
     """What the bed's processes share: a log file and a stop by PID that forgets the process."""
 
+    bed: Bed
+    name: str
+    port: int
     proc: subprocess.Popen[bytes] | None
-    log_path: Path
-    url: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.bed.logs / f"{self.name}.log"
 
     def metrics(self) -> dict[str, float]:
         """The process's Prometheus samples from its /metrics, keyed by the sample line's name and labels."""
@@ -292,10 +301,6 @@ class Engine(_Server):
     starts: int = 0
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def events(self) -> str:
         # vLLM 0.32 binds its PUB socket only for a wildcard (tcp://*:P) or ipc/inproc endpoint and
         # *connects* it to any other tcp address; an ipc socket binds and stays on this machine.
@@ -304,10 +309,6 @@ class Engine(_Server):
     @property
     def replay(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.bed.logs / f"{self.name}.log"
 
     def argv(self) -> list[str]:
         kv_events = {
@@ -441,14 +442,6 @@ class Gateway(_Server):
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     prefill: Sequence[Engine] = ()  # PD mode: these of ``engines`` prefill (--prefill), the others decode (--decode)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.bed.logs / f"{self.name}.log"
 
     def argv(self) -> list[str]:
         out = [str(self.bed.python), "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
