@@ -97,7 +97,7 @@ class Shadow:
     def __post_init__(self) -> None:
         import kvroute
         from kvroute.events import KvEventSubscriber
-        from kvroute.gateway.prompt import ExactPrompter
+        from kvroute.prompt import ExactPrompter
 
         self.prompter = ExactPrompter(str(self.engines[0].bed.model), BLOCK_SIZE, 1337)
         self.router = kvroute.Router(block_size=BLOCK_SIZE, **({"policy": self.policy} if self.policy else {}))

@@ -21,7 +21,7 @@ from gateway_harness import Cluster, MockWorker, assert_no_leak, poll, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane, approx_prompt
-from kvroute.gateway.prompt import ApproxPrompter, BadRequest
+from kvroute.prompt import ApproxPrompter, BadRequest
 
 BS, SEED = 4, 99
 

@@ -20,7 +20,7 @@ from gateway_harness import Cluster, Rendezvous, assert_no_leak, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane
-from kvroute.gateway.prompt import ExactPrompter, _completion_prompt
+from kvroute.prompt import ExactPrompter, _completion_prompt
 
 BS = 4
 SEED = 1337

@@ -25,7 +25,7 @@ from gateway_harness import (
     poll,
     run,
 )
-from kvroute.gateway.prompt import ApproxCache, ApproxPrompter, ExactPrompter
+from kvroute.prompt import ApproxCache, ApproxPrompter, ExactPrompter
 
 pytestmark = pytest.mark.usefixtures("http_server")
 

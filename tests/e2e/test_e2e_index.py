@@ -18,7 +18,7 @@ from typing import Any
 import kvroute
 import numpy as np
 from kvroute.events import KvEventSubscriber
-from kvroute.gateway.prompt import ExactPrompter
+from kvroute.prompt import ExactPrompter
 from vllm_bed import BLOCK_SIZE, poll
 
 EVENT_WAIT = 15.0  # seconds an engine's KV events may take to reach the index after its answer

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvroute.gateway.app import GATEWAY_KEY, Gateway, GatewayConfig, WorkerConfig, create_app, gateway_app, make_gateway
-    from kvroute.gateway.prompt import ApproxPrompter, BadRequest, ExactPrompter, Prompt
+    from kvroute.prompt import ApproxPrompter, BadRequest, ExactPrompter, Prompt
 
 __all__ = [
     "GATEWAY_KEY",
@@ -34,4 +34,5 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'kvroute.gateway' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f"kvroute.gateway.{_FROM.get(name, 'app')}"), name)
+    module = "kvroute.prompt" if name in _FROM else "kvroute.gateway.app"
+    return getattr(importlib.import_module(module), name)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvroute._core import KvrouteError, NoWorkersError, Router, UnknownWorkerError
 from kvroute.gateway.metrics import GatewayMetrics, parse_engine_metrics
-from kvroute.gateway.prompt import ApproxCache, BadRequest, ExactPrompter, Prompter, load_prompter
+from kvroute.prompt import ApproxCache, BadRequest, ExactPrompter, Prompter, load_prompter
 from kvroute.gateway.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = ["GATEWAY_KEY", "Gateway", "GatewayConfig", "WorkerConfig", "create_app", "gateway_app", "make_gateway"]

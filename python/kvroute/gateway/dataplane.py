@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvroute._core import DataPlane
 from kvroute.gateway.app import Gateway
-from kvroute.gateway.prompt import ApproxPrompter, ExactPrompter
+from kvroute.prompt import ApproxPrompter, ExactPrompter
 
 __all__ = ["CLIENT_HEADER", "PlaneApprox", "can_front", "hot_path_applies", "make_data_plane", "serve_with_data_plane"]
 

@@ -1,6 +1,13 @@
-"""Turns an OpenAI request body into the block hashes the router matches on.
+"""Turns an OpenAI request body into the block hashes the router matches on (``kvroute.prompt``).
 
-Exact mode tokenizes with the engines' own tokenizer (and chat template); approximate mode hashes the prompt text in fixed-size byte blocks.
+One implementation for the gateway and the integrations (LiteLLM, Ray Serve). Exact mode tokenizes
+with the engines' own tokenizer (and chat template), so the hashes equal the engines' KV events;
+approximate mode hashes the prompt text in fixed-size byte blocks.
+
+>>> from kvroute.prompt import ApproxPrompter
+>>> p = ApproxPrompter(block_size=16, seed=0).prompt({"prompt": "x" * 200, "max_tokens": 8}, chat=False)
+>>> len(p.hashes), p.num_tokens, p.output_tokens
+(3, 50, 8)
 """
 
 from __future__ import annotations
