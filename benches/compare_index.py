@@ -143,8 +143,10 @@ class Recording:
                     gone = [ids.setdefault(h, len(ids) + 1) for h in hashes]
                     self.removed += len(gone)
                     self.dynamo.append(json.dumps({"event_id": eid, "data": {"removed": {"block_hashes": gone}}}).encode())
+                elif kind == "AllBlocksCleared":
+                    self.dynamo.append(json.dumps({"event_id": eid, "data": "cleared"}).encode())
                 else:
-                    raise ValueError(f"event {eid}: {kind!r} events are not replayed (record a stream without them)")
+                    raise ValueError(f"event {eid}: unknown vLLM KV event {kind!r}")
         # Queries: every stored chain's prompt, from block 0 to the end of each store's last block.
         self.query_blocks = [chain_of[b] for b in leaves]  # engine block ids of each query, from block 0
         prompts = [np.asarray(tokens_of[b], dtype=np.uint32) for b in leaves]

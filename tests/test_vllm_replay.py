@@ -20,11 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
 sys.path.insert(0, str(ROOT / "tests"))
 from compare_index import DEFAULT_EVENTS, Recording, replay_kvroute  # noqa: E402
-from fake_engine import VllmBlockRemoved, VllmBlockStored, VllmEventBatch  # noqa: E402
+from fake_engine import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, VllmEventBatch  # noqa: E402
 
 
 def synthetic_recording(path: Path, seed: int = 0, batches: int = 40) -> Path:
-    """Chains grown by small stores under their leaves, leaf-first removals, bytes block hashes."""
+    """Chains grown by small stores under their leaves, leaf-first removals, now and then a cleared
+    cache; bytes block hashes."""
     rng = random.Random(seed)
     enc = msgspec.msgpack.Encoder()
     chains: list[list[bytes]] = []
@@ -33,6 +34,10 @@ def synthetic_recording(path: Path, seed: int = 0, batches: int = 40) -> Path:
         events: list[object] = []
         for _ in range(3):
             live = [c for c in chains if c]
+            if rng.random() < 0.03:
+                events.append(VllmAllBlocksCleared())
+                chains.clear()
+                continue
             if live and rng.random() < 0.25:
                 c = rng.choice(live)
                 events.append(VllmBlockRemoved([c.pop() for _ in range(min(len(c), rng.randrange(1, 3)))], "GPU"))
@@ -57,7 +62,9 @@ def expected(rec: Recording) -> tuple[list[int], int]:
     live: set[int] = set()
     for e in rec.dynamo:
         data = json.loads(e)["data"]
-        if "stored" in data:
+        if data == "cleared":
+            live.clear()
+        elif "stored" in data:
             live.update(b["block_hash"] for b in data["stored"]["blocks"])
         else:
             live.difference_update(data["removed"]["block_hashes"])
