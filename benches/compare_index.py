@@ -1,7 +1,9 @@
 """kvroute's index and hashing side by side with NVIDIA Dynamo's `RadixTree`, same workload, same run.
 
-Usage: python benches/compare_index.py [--workload interleaved|in-order] [--quick] [--json PATH]
+Usage: python benches/compare_index.py [--workload interleaved|in-order|vllm-replay] [--quick] [--json PATH]
 Prints one table (ours, Dynamo's, ratio); Dynamo columns are skipped if ai-dynamo-runtime is absent.
+`--workload vllm-replay` replays a KV-event stream recorded from a real vLLM engine
+(`benches/record_vllm_events.py`; `--events PATH`) through both indexes, then matches its prompts.
 Concurrent reads are measured on the core (`cargo bench -p kvroute-core --bench concurrency`):
 Python threads cannot show them for ~1 us calls, since the GIL hand-off costs more than the call.
 """
@@ -9,7 +11,9 @@ Python threads cannot show them for ~1 us calls, since the GIL hand-off costs mo
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
+import gzip
 import json
 import os
 import platform
@@ -81,6 +85,126 @@ def build_dynamo(stream: Stream):
     return tree, time.perf_counter() - t, blocks
 
 
+DEFAULT_EVENTS = Path(__file__).parent / "data" / "vllm_events.json.gz"
+
+
+class Recording:
+    """A recorded vLLM event stream (`record_vllm_events.py`) in the forms both indexes take: our
+    msgpack batch payloads as the engine sent them, Dynamo's JSON router events with the same blocks
+    (engine block hashes mapped to ids, token hashes computed as its vLLM integration does), and
+    the prompt of every stored chain as a match query (our sequence hashes, Dynamo's local hashes)."""
+
+    def __init__(self, path: Path) -> None:
+        import msgspec
+
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+        self.meta = {k: v for k, v in doc.items() if k != "batches"}
+        self.block_size = int(doc["block_size"])
+        self.payloads = [base64.b64decode(b) for b in doc["batches"]]
+        ids: dict[object, int] = {}
+        tokens_of: dict[int, list[int]] = {}  # engine block id -> the token ids of its whole prefix
+        chain_of: dict[int, list[int]] = {}  # engine block id -> the ids of its prefix's blocks
+        self.dynamo: list[bytes] = []
+        self.stored = self.removed = 0
+        leaves: dict[int, None] = {}
+        eid = 0
+        for payload in self.payloads:
+            batch = msgspec.msgpack.decode(payload)
+            for ev in batch[1]:
+                kind, fields = (ev.get("type"), ev) if isinstance(ev, dict) else (ev[0], None)
+                eid += 1
+                if kind == "BlockStored":
+                    hashes, parent, toks = (
+                        (fields["block_hashes"], fields["parent_block_hash"], fields["token_ids"]) if fields else (ev[1], ev[2], ev[3])
+                    )
+                    bs = self.block_size
+                    if len(toks) != len(hashes) * bs:
+                        raise ValueError(f"event {eid}: {len(toks)} token ids for {len(hashes)} blocks of {bs}")
+                    pid = None if parent is None else ids.setdefault(parent, len(ids) + 1)
+                    prefix = tokens_of.get(pid, []) if pid is not None else []
+                    chain = chain_of.get(pid, []) if pid is not None else []
+                    local = kvroute.local_block_hashes(np.asarray(toks, dtype=np.uint32), bs).tolist()
+                    blocks = []
+                    for k, h in enumerate(hashes):
+                        bid = ids.setdefault(h, len(ids) + 1)
+                        prefix = prefix + toks[k * bs : (k + 1) * bs]
+                        tokens_of[bid] = prefix
+                        chain = [*chain, bid]
+                        chain_of[bid] = chain
+                        blocks.append({"block_hash": bid, "tokens_hash": local[k]})
+                    if pid is not None:
+                        leaves.pop(pid, None)
+                    leaves[blocks[-1]["block_hash"]] = None
+                    self.stored += len(hashes)
+                    self.dynamo.append(json.dumps({"event_id": eid, "data": {"stored": {"parent_hash": pid, "blocks": blocks}}}).encode())
+                elif kind == "BlockRemoved":
+                    hashes = fields["block_hashes"] if fields else ev[1]
+                    gone = [ids.setdefault(h, len(ids) + 1) for h in hashes]
+                    self.removed += len(gone)
+                    self.dynamo.append(json.dumps({"event_id": eid, "data": {"removed": {"block_hashes": gone}}}).encode())
+                elif kind == "AllBlocksCleared":
+                    self.dynamo.append(json.dumps({"event_id": eid, "data": "cleared"}).encode())
+                else:
+                    raise ValueError(f"event {eid}: unknown vLLM KV event {kind!r}")
+        # Queries: every stored chain's prompt, from block 0 to the end of each store's last block.
+        self.query_blocks = [chain_of[b] for b in leaves]  # engine block ids of each query, from block 0
+        prompts = [np.asarray(tokens_of[b], dtype=np.uint32) for b in leaves]
+        self.q_seq = [kvroute.block_hashes(t, self.block_size) for t in prompts]
+        self.q_loc = [kvroute.local_block_hashes(t, self.block_size).tolist() for t in prompts]
+
+
+def replay_kvroute(rec: Recording) -> tuple[kvroute.KvIndex, float]:
+    idx = kvroute.KvIndex()
+    t = time.perf_counter()
+    for p in rec.payloads:
+        idx.apply_event_batch(0, p, block_size=rec.block_size)
+    return idx, time.perf_counter() - t
+
+
+def replay_dynamo(rec: Recording):
+    tree = dynamo_tree()
+    t = time.perf_counter()
+    for e in rec.dynamo:
+        tree.apply_event(0, e)
+    return tree, time.perf_counter() - t
+
+
+def vllm_replay(path: Path, dyn: bool, row) -> dict:
+    """Replays the recording through both indexes (best of 20 fresh replays each), then times a
+    match of every stored chain's prompt against the final state; answers compared first."""
+    rec = Recording(path)
+    blocks = rec.stored + rec.removed
+    ours = [replay_kvroute(rec) for _ in range(20)]
+    idx = ours[-1][0]
+    theirs = [replay_dynamo(rec) for _ in range(20)] if dyn else None
+    row(
+        "replay vLLM events, stored + removed blocks/s (best of 20)",
+        blocks / min(t for _, t in ours),
+        blocks / min(t for _, t in theirs) if theirs else None,
+        "blocks/s",
+    )
+    if theirs:
+        tree = theirs[-1][0]
+        for q, ql in zip(rec.q_seq, rec.q_loc):
+            assert dict(idx.match(q)) == dynamo_scores(tree, ql), "kvroute and Dynamo disagree on a replayed prompt"
+    depths = [dict(idx.match(q)).get(0, 0) for q in rec.q_seq]
+    ours_t = time_calls(idx.match, rec.q_seq, 50)
+    theirs_t = time_calls(tree.find_matches, rec.q_loc, 50) if theirs else None
+    row("replayed prompts: match p50 (us)", statistics.median(ours_t), statistics.median(theirs_t) if theirs_t else None, "us")
+    row("replayed prompts: match p99 (us)", percentile(ours_t, 0.99), percentile(theirs_t, 0.99) if theirs_t else None, "us")
+    return {
+        **rec.meta,
+        "batches": len(rec.payloads),
+        "events": len(rec.dynamo),
+        "blocks_stored": rec.stored,
+        "blocks_removed": rec.removed,
+        "queries": len(rec.q_seq),
+        "query_blocks_mean": statistics.mean(len(q) for q in rec.q_seq),
+        "matched_blocks_mean": statistics.mean(depths),
+    }
+
+
 def make_streams(workload: str, workers: int, entries: int) -> list[tuple[str, Stream]]:
     """(label, stream) pairs to build; the last one is the index that is matched against."""
     if workload == "in-order":
@@ -137,11 +261,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures as JSON")
     ap.add_argument(
         "--workload",
-        choices=["interleaved", "in-order"],
+        choices=["interleaved", "in-order", "vllm-replay"],
         default="interleaved",
         help="interleaved: small turns of many open sessions, as engines publish them (default); "
-        "in-order: each session stored whole in 16- or 64-block batches",
+        "in-order: each session stored whole in 16- or 64-block batches; "
+        "vllm-replay: a KV-event stream recorded from a real vLLM engine (--events)",
     )
+    ap.add_argument("--events", type=Path, default=DEFAULT_EVENTS, help=f"the recorded stream for vllm-replay (default {DEFAULT_EVENTS})")
     ap.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.memory_child:
@@ -165,7 +291,12 @@ def main() -> None:
     row("block_hashes 8192 tok, uint32 array (us p50)", ours, theirs, "us")
     row("block_hashes 8192 tok, list (us p50)", ours_list, theirs, "us")
 
-    for workers in (8, 64):
+    if a.workload == "vllm-replay":
+        if not a.events.exists():
+            sys.exit(f"compare_index: no recorded stream at {a.events}; record one with benches/record_vllm_events.py")
+        results["recording"] = vllm_replay(a.events, dyn, row)
+        print(json.dumps(results["recording"]))
+    for workers in (8, 64) if a.workload != "vllm-replay" else ():
         streams = make_streams(a.workload, workers, entries)
         sessions = streams[-1][1].sessions
         tree = None
@@ -212,8 +343,9 @@ def main() -> None:
             row("W=64 memory, kvroute's own estimate per entry", mo["estimated"] / mo["entries"], None, "B")
         del idx
 
+    size = f", ~{entries:,} (block, worker) entries" if a.workload != "vllm-replay" else ""
     print(
-        f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; {a.workload} workload, ~{entries:,} (block, worker) entries; {os.cpu_count()} cores\n"
+        f"\nkvroute {kvroute.__version__} vs Dynamo {'1.6.1 RadixTree' if dyn else '(not installed)'}; {a.workload} workload{size}; {os.cpu_count()} cores\n"
     )
     w = max(len(r[0]) for r in rows)
     print(f"{'metric':<{w}}  {'kvroute':>12}  {'dynamo':>12}  {'ratio':>8}")

@@ -642,9 +642,15 @@ impl KvIndex {
     /// For each worker holding `hashes[0]`, the number of leading blocks of `hashes` it holds
     /// (on any tier in `mask`), contiguous from block 0.
     pub fn find_matches(&self, hashes: &[u64], mask: TierMask) -> Matches {
-        let mut scratch = MatchScratch::default();
+        thread_local! {
+            // The walk's buffers, kept per thread: a match allocates only its answer.
+            static SCRATCH: std::cell::RefCell<MatchScratch> = Default::default();
+        }
         let mut out = Matches::default();
-        self.match_into(hashes, mask, &mut scratch, &mut out);
+        SCRATCH.with(|sc| match sc.try_borrow_mut() {
+            Ok(mut sc) => self.match_into(hashes, mask, &mut sc, &mut out),
+            Err(_) => self.match_into(hashes, mask, &mut MatchScratch::default(), &mut out),
+        });
         out
     }
 
@@ -667,14 +673,19 @@ impl KvIndex {
         // Consecutive blocks usually have the very same holders (one encoding, or one spilled set):
         // then the set of workers still matching cannot change and the intersection is skipped.
         let mut last_holders = None;
-        for (d, &h) in hashes.iter().enumerate() {
+        let mut d = 0usize;
+        while d < hashes.len() {
+            let h = hashes[d];
             let Some(i) = g.find_child(h, prev, guess) else { break };
             let node = g.node(i);
             if last_holders == Some(node.holders) {
                 g.touch(i, clock);
-                prev = i;
-                guess = i.wrapping_add(1);
-                depth = d as u32 + 1;
+                // Then along the run after it, as long as the holders stay the same.
+                let run = g.follow_run(i, &hashes[d + 1..], node.holders, clock);
+                prev = i + run as u32;
+                guess = prev.wrapping_add(1);
+                d += 1 + run;
+                depth = d as u32;
                 continue;
             }
             last_holders = Some(node.holders);
@@ -694,9 +705,11 @@ impl KvIndex {
                 break;
             }
             g.touch(i, clock);
-            prev = i;
-            guess = i.wrapping_add(1);
-            depth = d as u32 + 1;
+            let run = g.follow_run(i, &hashes[d + 1..], node.holders, clock);
+            prev = i + run as u32;
+            guess = prev.wrapping_add(1);
+            d += 1 + run;
+            depth = d as u32;
         }
         for (w, &a) in alive.iter().enumerate() {
             let mut bits = a;

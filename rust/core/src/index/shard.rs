@@ -107,6 +107,37 @@ impl Shard {
         self.nodes.get(guess as usize).is_some_and(|n| n.hash == h && n.parent == prev)
     }
 
+    /// How many of `hashes` continue the run after node `i`: slots `i+1, i+2, ...`, each the child of
+    /// the slot before it, with the very holders encoding `holders` (so a match's set of workers is
+    /// unchanged along them). Refreshes their recency to `clock`. The match's inner loop: one slice
+    /// scan per chunk, no table probe, no holder intersection.
+    #[inline]
+    pub fn follow_run(&self, i: u32, hashes: &[u64], holders: Holders, clock: u32) -> usize {
+        let mut n = 0;
+        let mut cur = i as usize;
+        while n < hashes.len() {
+            let tail = self.nodes.chunk_tail(cur + 1);
+            if tail.is_empty() {
+                break;
+            }
+            let before = n;
+            for (node, &h) in tail.iter().zip(&hashes[n..]) {
+                if node.hash != h || node.parent as usize != cur || node.holders != holders {
+                    break;
+                }
+                if node.tick.load(Relaxed) != clock {
+                    node.tick.store(clock, Relaxed);
+                }
+                cur += 1;
+                n += 1;
+            }
+            if n - before < tail.len() {
+                break; // stopped inside the chunk (or ran out of hashes)
+            }
+        }
+        n
+    }
+
     #[inline]
     pub fn node(&self, i: u32) -> &Node {
         &self.nodes[i as usize]

@@ -61,6 +61,16 @@ impl<T> Slab<T> {
         (i < self.len).then(|| &self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)])
     }
 
+    /// Slots `i..` up to the end of `i`'s chunk (or of the slab): consecutive nodes in one slice,
+    /// so that a walk along a run reads them without a chunk lookup per slot.
+    #[inline]
+    pub fn chunk_tail(&self, i: usize) -> &[T] {
+        if i >= self.len {
+            return &[];
+        }
+        &self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)..]
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &T> {
         self.chunks.iter().flatten()
     }

@@ -405,3 +405,24 @@ fn churn_does_not_grow_the_slab_without_bound() {
     assert!(slab_len() <= at_half + NUM_SHARDS * super::shard::MAX_RUN, "{at_half} -> {}", slab_len());
     assert!(slab_len() <= NUM_SHARDS * (1024 + 2 * super::shard::MAX_RUN));
 }
+
+#[test]
+fn runs_are_followed_across_chunks_and_stop_where_holders_change() {
+    // One store of 9000 blocks spans three slab chunks (4096 slots each): the walk along the run
+    // must cross chunk ends; a second worker on a middle stretch changes the holders there.
+    let idx = KvIndex::new(None);
+    let c = chain(77, 9000);
+    idx.store(1, &c, None, Tier::Device).unwrap();
+    idx.store(2, &c[..5000], None, Tier::Device).unwrap();
+    let m = idx.find_matches(&c, ANY_TIER);
+    assert_eq!((m.get(1), m.get(2)), (Some(9000), Some(5000)));
+    // Worker 2 loses a block inside the first chunk: its depth stops there, worker 1's does not.
+    idx.remove(2, &c[4095..4096], ANY_TIER);
+    let m = idx.find_matches(&c, ANY_TIER);
+    assert_eq!((m.get(1), m.get(2)), (Some(9000), Some(4095)));
+    // A query that leaves the chain mid-run, and one that ends mid-run.
+    let mut q = c[..6000].to_vec();
+    q[5500] ^= 1;
+    assert_eq!(depth(&idx, &q, 1), Some(5500));
+    assert_eq!(depth(&idx, &c[..4097], 1), Some(4097));
+}
