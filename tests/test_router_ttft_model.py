@@ -1,6 +1,7 @@
-"""The Router's learned TTFT model: each worker's prefill time fitted from the prefills it sees
-finish, so a wrong registered speed (the gateway's default is 20,000 tokens/s whatever the engine)
-stops mattering once requests have run; in the simulator it recovers the engines' true speed."""
+"""The Router's learned TTFT model (``ttft_model="learned"``): each worker's prefill time fitted from
+the prefills it sees finish, so a wrong registered speed (the gateway's default is 20,000 tokens/s
+whatever the engine) stops mattering once requests have run; in the simulator it recovers the
+engines' true speed."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from kvroute import Router
 from kvroute.sim import ClusterConfig, make_router, records_to_workload, simulate, synthetic_trace
 
 
-def test_default_is_learned_and_bad_names_are_errors() -> None:
-    assert Router().config["ttft_model"] == "learned"
-    assert Router(ttft_model="configured").config["ttft_model"] == "configured"
+def test_default_is_configured_and_bad_names_are_errors() -> None:
+    assert Router().config["ttft_model"] == "configured"
+    assert Router(ttft_model="learned").config["ttft_model"] == "learned"
     with pytest.raises(ValueError, match="ttft_model"):
         Router(ttft_model="guess")  # type: ignore[arg-type]
 
@@ -21,7 +22,7 @@ def test_default_is_learned_and_bad_names_are_errors() -> None:
 def test_learned_speed_and_overhead_of_a_fifo_engine() -> None:
     # One engine at 3000 tokens/s plus 25 ms per request, registered at 20000; requests every
     # 0.5 s of 100-1500 tokens, each reported by prefill_done at its true finish.
-    r = Router(block_size=32)
+    r = Router(block_size=32, ttft_model="learned")
     r.add_worker(0)
     rng = random.Random(3)
     busy, pending = 0.0, []
@@ -42,7 +43,7 @@ def test_learned_speed_and_overhead_of_a_fifo_engine() -> None:
     assert load["learned_prefill_tokens_per_s"] == pytest.approx(3000, rel=1e-6)
     assert load["learned_overhead_s"] == pytest.approx(0.025, abs=1e-6)
     assert max(errs[100:]) < 1e-6
-    fresh = Router()
+    fresh = Router(ttft_model="learned")
     fresh.add_worker(0)
     assert fresh.load(0)["learned_prefill_tokens_per_s"] is None and fresh.load(0)["prefill_samples"] == 0
 

@@ -218,7 +218,7 @@ class Router:
         prefill_busy_queue_s: float | None = None,
         optimistic_insert: bool = False,
         hash_seed: int = 1337,
-        ttft_model: Literal["learned", "configured"] = "learned",
+        ttft_model: Literal["configured", "learned"] = "configured",
         index: KvIndex | None = None,
     ) -> None: ...
     def add_worker(

@@ -115,10 +115,10 @@ def make_router(
     always given (policies such as "slack" plan with it); ``reject`` turns on early rejection;
     ``options`` are passed on to `kvroute.Router` (e.g. ``prefill_weight=3.0``).
 
-    The TTFT model is ``"configured"`` unless an option says otherwise: the simulated engines
-    prefill at exactly the registered speed, one request after another, so the configured model
-    (the virtual-time FIFO queue) is their exact TTFT and there is nothing to learn;
-    ``router_options={"ttft_model": "learned"}`` runs the model real engines get."""
+    The TTFT model is ``"configured"`` (the Router's default too) unless an option says
+    otherwise: the simulated engines prefill at exactly the registered speed, one request after
+    another, so the configured model (the virtual-time FIFO queue) is their exact TTFT and there
+    is nothing to learn; ``router_options={"ttft_model": "learned"}`` runs the learned one."""
     from kvroute import Router
 
     options.setdefault("ttft_model", "configured")

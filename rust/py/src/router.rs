@@ -95,7 +95,7 @@ impl PyRouter {
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
-        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, ttft_model = "learned", index = None
+        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, ttft_model = "configured", index = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -205,7 +205,8 @@ pub struct RouterConfig {
     pub prefill_busy_queue_s: Option<f64>,
     /// Record the routed prefix in the index at once (approximate mode, without KV events).
     pub optimistic_insert: bool,
-    /// Where predicted TTFT comes from (default: learned from observed TTFTs).
+    /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
+    /// and docs/router.md for why learning is not the default yet).
     pub ttft_model: TtftModel,
 }
 
@@ -247,7 +248,7 @@ impl Default for RouterConfig {
             local_prefill_max_tokens: 0,
             prefill_busy_queue_s: None,
             optimistic_insert: false,
-            ttft_model: TtftModel::Learned,
+            ttft_model: TtftModel::Configured,
         }
     }
 }

@@ -65,7 +65,7 @@ impl PrefillFit {
     const KEEP: f64 = 1.0 - 1.0 / 64.0;
 
     /// Adds one measurement: `x` uncached tokens served in `secs` seconds; `prior_spt` = the
-    /// configured seconds per token, the slope kept when the samples cannot tell one (no spread in `x`).
+    /// configured seconds per token, the slope kept when the samples show no evidence of another.
     pub fn add(&mut self, x: f64, secs: f64, prior_spt: f64) {
         if !(x.is_finite() && secs.is_finite() && secs >= 0.0) {
             return;
@@ -89,9 +89,9 @@ impl PrefillFit {
         let cxy = self.sxy / self.weight - mx * my;
         // A slope needs spread in x (1% of its mean), a positive covariance and evidence (its
         // t statistic at least MIN_SLOPE_T); a line whose intercept comes out negative is refitted
-        // through the origin (least squares with the overhead held at 0). Without a slope the
-        // configured one stays and the intercept is fitted (or, if that goes negative, the mean
-        // seconds per token through the origin).
+        // through the origin (least squares with the overhead held at 0). Without evidence the
+        // configured slope stays (the samples cannot tell it wrong) and the intercept takes the
+        // rest of the mean, if any.
         if vxx > (0.01 * mx).powi(2) && vxx > 0.0 && cxy > 0.0 {
             let b = cxy / vxx;
             let vyy = self.syy / self.weight - my * my;
@@ -103,12 +103,7 @@ impl PrefillFit {
                 return if a >= 0.0 { (a, b) } else { (0.0, self.sxy / self.sxx) };
             }
         }
-        let a = my - prior_spt * mx;
-        if a >= 0.0 || mx <= 0.0 {
-            (a.max(0.0), prior_spt)
-        } else {
-            (0.0, my / mx)
-        }
+        ((my - prior_spt * mx).max(0.0), prior_spt)
     }
 
     /// Measurements taken so far.
