@@ -106,7 +106,7 @@ def fault_while_streaming(gw: Gateway, victim: vllm_bed.Engine, survivor: vllm_b
 
 def test_engine_killed_and_terminated_while_streaming(live_engines: list[vllm_bed.Engine]) -> None:
     e0, e1 = live_engines
-    gw = Gateway(e0.bed, live_engines, ["--data-plane", "rust", "--tokenizer", str(e0.bed.model)], name="gateway-faults")
+    gw = Gateway(e0.bed, live_engines, ["--tokenizer", str(e0.bed.model)], name="gateway-faults")
     gw.start()
     try:
         for victim, survivor, sig in ((e1, e0, signal.SIGKILL), (e0, e1, signal.SIGTERM)):

@@ -15,7 +15,17 @@ from typing import Any, cast
 
 from aiohttp import web
 
-__all__ = ["MockWorker", "Rendezvous"]
+__all__ = ["VLLM_PREFILL_KV_TRANSFER_PARAMS", "MockWorker", "Rendezvous"]
+
+# What vLLM's P/D proxy asks of the prefill engine: compute the prompt's KV and keep it for a remote decode.
+VLLM_PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass
