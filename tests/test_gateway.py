@@ -7,6 +7,7 @@ import asyncio
 import collections
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -503,3 +504,50 @@ def test_slow_clients_are_cut_off_after_client_timeout() -> None:
 def test_client_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="client_timeout"):
         GatewayConfig(client_timeout=0)
+
+
+def test_https_engines_are_served_and_probed_with_the_configured_ca(tmp_path: Path) -> None:
+    """An engine behind a self-signed certificate (made here with openssl) is routed to over TLS, its
+    health is probed over TLS with the same CA file, and it comes back after being marked down."""
+    import shutil
+    import ssl
+    import subprocess
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (needed to make a self-signed certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-addext", "basicConstraints=critical,CA:FALSE", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def scenario() -> None:
+        tls = MockWorker("tls", ssl_context=server_ctx)
+        await tls.start()
+        try:
+            import kvroute
+            from kvroute.gateway import make_gateway
+
+            gw = make_gateway(kvroute.Router(), [tls.url], ca_file=str(cert), health_interval=0.05)
+            url = await gw.start()
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+                    async with s.post(url + "/v1/completions", json={"prompt": "over tls", "max_tokens": 2, "stream": True}) as r:
+                        assert r.status == 200 and r.headers["X-Kvroute-Worker"] == tls.url
+                        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+                    w = gw.workers[0]
+                    gw.mark_unhealthy(w, "test: taken out")
+                    assert not w.healthy
+                    await poll(lambda: w.healthy, what="the https worker probed back over TLS")
+                    async with s.get(url + "/v1/models") as r:
+                        assert r.status == 200 and (await r.json())["data"][0]["id"] == "mock"
+            finally:
+                await gw.stop()
+        finally:
+            await tls.stop()
+
+    run(scenario())

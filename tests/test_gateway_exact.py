@@ -47,7 +47,7 @@ def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[DataPlan
 
 
 def python_side(ep: ExactPrompter, body: dict[str, Any], chat: bool) -> tuple[list[int], list[int], int, int | None] | None:
-    """(token ids, hashes, num_tokens, output_tokens) as the Python gateway derives them, or None
+    """(token ids, hashes, num_tokens, output_tokens) as kvroute.prompt derives them, or None
     when it answers 400 (or fails otherwise)."""
     try:
         p = ep.prompt(body, chat)

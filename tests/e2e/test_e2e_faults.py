@@ -1,4 +1,4 @@
-"""Engine faults behind ``kvroute serve`` (Rust plane, exact mode, KV events): one engine SIGKILLed and
+"""Engine faults behind ``kvroute serve`` (exact mode, KV events): one engine SIGKILLed and
 then the other stopped with SIGTERM while 4 client threads stream chats through the ``openai`` client.
 Every request ends within BOUND seconds with a complete answer or a clear error, none hangs; requests
 after the fault go to the live engine; the restarted engine is routed to again."""

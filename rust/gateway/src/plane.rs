@@ -55,7 +55,7 @@ const HOP_BY_HOP: [&str; 8] =
 /// How the data plane behaves; the Python side fills it from its GatewayConfig.
 #[derive(Clone, Debug)]
 pub struct PlaneConfig {
-    /// How prefill and decode workers are paired (the Python gateway's `pd_convention`).
+    /// How prefill and decode workers are paired (`GatewayConfig.pd_convention`).
     pub pd_convention: PdConvention,
     /// Exact mode: the engines' tokenizer.json (or its directory); `None`: approximate prompts.
     pub tokenizer: Option<std::path::PathBuf>,
@@ -281,7 +281,7 @@ impl DataPlane {
         self.control.lock().local_addr
     }
 
-    /// Registers a worker the Python gateway registered with the Router (same id and role);
+    /// Registers a worker its owner registered with the Router (same id and role);
     /// `bootstrap_port`: an SGLang PD prefill server's.
     pub fn add_worker(&self, id: WorkerId, url: &str, role: Role, bootstrap_port: Option<u16>) -> Result<(), PlaneError> {
         let base = url.trim_end_matches('/');
@@ -490,7 +490,7 @@ impl Reject {
     }
 }
 
-/// The Python gateway's JSON error shape.
+/// The OpenAI-style JSON error shape.
 fn error(status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> Response<PlaneBody> {
     let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}});
     let mut r = Response::new(PlaneBody::full(Bytes::from(body.to_string())));
