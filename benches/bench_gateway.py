@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import random
@@ -121,6 +122,8 @@ def build_tokenizer(root: str, prompt_tokens: int) -> str:
 Send = Callable[[aiohttp.ClientSession, int, dict[str, object]], Awaitable[bool]]
 
 REMOTE_DECODE = VLLM_PREFILL_KV_TRANSFER_PARAMS
+# Why requests failed, printed with the results: "<status> <start of the answer>" or the exception.
+FAILURES: collections.Counter[str] = collections.Counter()
 
 
 def via(urls: list[str]) -> Send:
@@ -129,7 +132,9 @@ def via(urls: list[str]) -> Send:
     async def send(session: aiohttp.ClientSession, i: int, body: dict[str, object]) -> bool:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         async with session.post(urls[i % len(urls)] + path, json=body) as r:
-            await r.read()
+            data = await r.read()
+            if r.status != 200:
+                FAILURES[f"{urls[0]}: {r.status} {data[:120]!r}"] += 1
             return r.status == 200
 
     return send
@@ -178,7 +183,8 @@ async def drive(session: aiohttp.ClientSession, send: Send, bodies: list[dict[st
         t0 = time.perf_counter()
         try:
             ok = await send(session, i, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            FAILURES[f"{type(e).__name__}: {e}"[:160]] += 1
             ok = False
         if ok:
             lat.append(time.perf_counter() - t0)
@@ -307,6 +313,8 @@ async def main(a: argparse.Namespace) -> int:
             ovh[name] = ((p50 - d50) * 1e6, (p99 - d99) * 1e6)
             o = "" if name == "direct" else f"{ovh[name][0]:>12.0f}{ovh[name][1]:>12.0f}{cpu[name] / len(xs) * 1e6:>12.0f}"
             print(f"{name:<15}{p50 * 1e3:>9.3f}{p99 * 1e3:>9.3f}{statistics.fmean(xs) * 1e3:>9.3f}{o:>36}{fails[name]:>8}")
+        for why, n in FAILURES.most_common(5):
+            print(f"failed x{n}: {why}")
         cpu_req = {k: cpu[k] / max(1, len(lat[k])) for k in lat}
         peers = [p for p in ("kvroute-baseline", "sglang-router") if p in ovh]
 
