@@ -2,13 +2,17 @@
 at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the same mocks in the same run.
 
     python benches/bench_gateway.py [--rate 200] [--requests 2000] [--workers 8] [--prompt-tokens 4096] [--pd vllm|sglang] [--exact]
+                                    [--baseline PYTHONPATH [--baseline-args "--data-plane rust"]]
 
-``--exact`` runs both kvroute planes in exact mode (``--tokenizer``: the byte-level BPE and ChatML template
-the tests build, tests/exact_tokenizers.py) and sends every other request as a chat request.
+``--exact`` runs kvroute in exact mode (``--tokenizer``: the byte-level BPE and ChatML template the
+tests build, tests/exact_tokenizers.py) and sends every other request as a chat request.
 
-Processes: one mock-engine process (8 engines), ``kvroute serve`` twice (``--data-plane rust``: the Rust
-front door; ``--data-plane python``: the Python gateway alone), sglang-router (when installed), and this
-load generator. Rounds interleave direct / kvroute-rust / kvroute-python / sglang so machine noise hits all alike.
+``--baseline DIR`` adds another build of kvroute as a target (``kvroute-baseline``): ``DIR`` is put on
+PYTHONPATH (e.g. an older checkout's ``python/`` folder with its built ``_core``), run with
+``--baseline-args``, so a change is measured against the code it replaces in the same run.
+
+Processes: one mock-engine process (8 engines), ``kvroute serve`` (and the baseline), sglang-router
+(when installed), and this load generator. Rounds interleave the targets so machine noise hits all alike.
 
 ``--pd vllm|sglang``: PD mode, half the engines prefill and half decode, in that handshake. "direct" is
 then this client doing the handshake itself (vLLM: the max_tokens=1 prefill, then the decode with the
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import random
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kvroute.gateway.app import VLLM_PREFILL_KV_TRANSFER_PARAMS
+from kvroute.gateway.mock import VLLM_PREFILL_KV_TRANSFER_PARAMS
 
 
 def free_port() -> int:
@@ -117,6 +122,8 @@ def build_tokenizer(root: str, prompt_tokens: int) -> str:
 Send = Callable[[aiohttp.ClientSession, int, dict[str, object]], Awaitable[bool]]
 
 REMOTE_DECODE = VLLM_PREFILL_KV_TRANSFER_PARAMS
+# Why requests failed, printed with the results: "<status> <start of the answer>" or the exception.
+FAILURES: collections.Counter[str] = collections.Counter()
 
 
 def via(urls: list[str]) -> Send:
@@ -125,7 +132,9 @@ def via(urls: list[str]) -> Send:
     async def send(session: aiohttp.ClientSession, i: int, body: dict[str, object]) -> bool:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         async with session.post(urls[i % len(urls)] + path, json=body) as r:
-            await r.read()
+            data = await r.read()
+            if r.status != 200:
+                FAILURES[f"{urls[0]}: {r.status} {data[:120]!r}"] += 1
             return r.status == 200
 
     return send
@@ -174,7 +183,8 @@ async def drive(session: aiohttp.ClientSession, send: Send, bodies: list[dict[st
         t0 = time.perf_counter()
         try:
             ok = await send(session, i, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            FAILURES[f"{type(e).__name__}: {e}"[:160]] += 1
             ok = False
         if ok:
             lat.append(time.perf_counter() - t0)
@@ -208,10 +218,13 @@ async def main(a: argparse.Namespace) -> int:
         prefill, decode = urls[:n_prefill], urls[n_prefill:]
         targets: dict[str, Send] = {"direct": direct_pd(a.pd, prefill, decode) if a.pd else via(urls)}
         pids: dict[str, int | None] = {"direct": None}
-        for plane in ("rust", "python"):  # kvroute serve with either data plane
+        kvroutes = {"kvroute": (env, [])}
+        if a.baseline:
+            kvroutes["kvroute-baseline"] = ({**env, "PYTHONPATH": a.baseline}, a.baseline_args.split())
+        for name, (kv_env, extra) in kvroutes.items():
             kv_port = free_port()
             cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
-            cmd += ["--data-plane", plane]
+            cmd += extra
             if tokenizer is not None:
                 cmd += ["--tokenizer", tokenizer]
             if a.pd:
@@ -223,11 +236,11 @@ async def main(a: argparse.Namespace) -> int:
             else:
                 for u in urls:
                     cmd += ["--worker", u]
-            kv = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+            kv = subprocess.Popen(cmd, env=kv_env, stdout=subprocess.DEVNULL)
             procs.append(kv)
-            await wait_healthy(f"http://127.0.0.1:{kv_port}", kv, f"kvroute serve --data-plane {plane}")
-            targets[f"kvroute-{plane}"] = via([f"http://127.0.0.1:{kv_port}"])
-            pids[f"kvroute-{plane}"] = kv.pid
+            await wait_healthy(f"http://127.0.0.1:{kv_port}", kv, name)
+            targets[name] = via([f"http://127.0.0.1:{kv_port}"])
+            pids[name] = kv.pid
 
         sgr = shutil.which("sglang-router")
         if sgr and not a.no_sglang and a.pd != "vllm":
@@ -300,25 +313,27 @@ async def main(a: argparse.Namespace) -> int:
             ovh[name] = ((p50 - d50) * 1e6, (p99 - d99) * 1e6)
             o = "" if name == "direct" else f"{ovh[name][0]:>12.0f}{ovh[name][1]:>12.0f}{cpu[name] / len(xs) * 1e6:>12.0f}"
             print(f"{name:<15}{p50 * 1e3:>9.3f}{p99 * 1e3:>9.3f}{statistics.fmean(xs) * 1e3:>9.3f}{o:>36}{fails[name]:>8}")
+        for why, n in FAILURES.most_common(5):
+            print(f"failed x{n}: {why}")
         cpu_req = {k: cpu[k] / max(1, len(lat[k])) for k in lat}
-        peers = [p for p in ("kvroute-python", "sglang-router") if p in ovh]
+        peers = [p for p in ("kvroute-baseline", "sglang-router") if p in ovh]
 
         def ratio(x: float, y: float) -> str:
             return f"{x / y:.2f}x" if y > 0 else "n/a"
 
-        for peer in peers:  # (>1: the Rust data plane adds less)
-            k, g = ovh["kvroute-rust"], ovh[peer]
+        for peer in peers:  # (>1: kvroute adds less)
+            k, g = ovh["kvroute"], ovh[peer]
             print(
-                f"ratio {peer} / kvroute-rust: overhead p50 {ratio(g[0], k[0])}, p99 {ratio(g[1], k[1])}, "
-                f"latency p50 {ratio(pct(lat[peer], 0.5), pct(lat['kvroute-rust'], 0.5))}, "
-                f"CPU per request {ratio(cpu_req[peer], cpu_req['kvroute-rust'])}"
+                f"ratio {peer} / kvroute: overhead p50 {ratio(g[0], k[0])}, p99 {ratio(g[1], k[1])}, "
+                f"latency p50 {ratio(pct(lat[peer], 0.5), pct(lat['kvroute'], 0.5))}, "
+                f"CPU per request {ratio(cpu_req[peer], cpu_req['kvroute'])}"
             )
-        k = ovh["kvroute-rust"]
+        k = ovh["kvroute"]
         if a.pd:  # the target is defined against a direct request, which PD has no equivalent of
             print(f"load average {os.getloadavg()[0]:.2f}")
         else:
             verdict = "met" if k[0] <= 300 and k[1] <= 1000 else "MISSED"
-            print(f"target (kvroute-rust overhead p50 <= 300 us, p99 <= 1000 us): {verdict}; load average {os.getloadavg()[0]:.2f}")
+            print(f"target (kvroute overhead p50 <= 300 us, p99 <= 1000 us): {verdict}; load average {os.getloadavg()[0]:.2f}")
         return 0 if not any(fails.values()) else 1
     finally:
         for p in reversed(procs):
@@ -335,15 +350,15 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per target")
-    ap.add_argument(
-        "--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute-rust, kvroute-python, sglang-router each round)"
-    )
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, the baseline, sglang-router each round)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
     ap.add_argument("--pd", choices=("vllm", "sglang"), default=None, help="PD mode in this handshake (half prefill, half decode engines)")
     ap.add_argument("--exact", action="store_true", help="kvroute in exact mode (a tokenizer built here; half chat requests)")
+    ap.add_argument("--baseline", metavar="PYTHONPATH", help="also run the kvroute found on this PYTHONPATH (kvroute-baseline)")
+    ap.add_argument("--baseline-args", default="", help="extra `kvroute serve` flags for the baseline, e.g. '--data-plane rust'")
     args = ap.parse_args()
     try:
         import uvloop

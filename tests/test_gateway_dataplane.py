@@ -1,13 +1,12 @@
-"""The Rust data plane in front of the Python gateway: hashes both planes agree on, one shared
-approximate cache, what is forwarded, start/stop and bad configuration."""
+"""The Rust data plane on its own: its approximate prompts hash as ``kvroute.prompt`` does (the
+integrations share an index with it), its 400s, its TTL cache, unparseable-exactly bodies routed
+approximately, workers added at runtime, start/stop and bad configuration."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ BS, SEED = 4, 99
 
 text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
 ints = st.integers(min_value=-3, max_value=2**32 + 2)
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), text)
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False, allow_infinity=False), text)
 json_value = st.recursive(json_leaf, lambda v: st.lists(v, max_size=3) | st.dictionaries(text, v, max_size=3), max_leaves=6)
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": text})
 part = st.one_of(
@@ -52,25 +51,28 @@ def python_prompt(body: dict[str, Any], chat: bool) -> tuple[list[int], int, int
     except (BadRequest, ValueError, TypeError, OverflowError):
         return None
     if p.output_tokens is not None and p.output_tokens > 2**63 - 1:
-        return None  # the Router refuses it (Python answers 400 at route time); the data plane forwards it
+        return None  # the Router refuses it: the data plane answers 400 up front
     return p.hashes.tolist(), p.num_tokens, p.output_tokens
 
 
 def rust_prompt(body: Any, chat: bool) -> tuple[list[int], int, int | None] | None:
-    r = approx_prompt(json.dumps(body).encode(), chat, BS, seed=SEED)
-    return None if r is None else (r[0].tolist(), r[1], r[2])
+    try:
+        r = approx_prompt(json.dumps(body).encode(), chat, BS, seed=SEED)
+    except ValueError:  # the client's 400
+        return None
+    return r[0].tolist(), r[1], r[2]
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(prompt, limits)
-def test_completion_prompts_hash_alike_in_both_planes(p: Any, lim: dict[str, Any]) -> None:
+def test_completion_prompts_hash_as_kvroute_prompt_does(p: Any, lim: dict[str, Any]) -> None:
     body = {"prompt": p, **lim} if p is not None else dict(lim)
     assert rust_prompt(body, False) == python_prompt(body, False)
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(st.lists(message, max_size=4), limits)
-def test_chat_prompts_hash_alike_in_both_planes(msgs: list[dict[str, Any]], lim: dict[str, Any]) -> None:
+def test_chat_prompts_hash_as_kvroute_prompt_does(msgs: list[dict[str, Any]], lim: dict[str, Any]) -> None:
     body = {"messages": msgs, **lim}
     assert rust_prompt(body, True) == python_prompt(body, True)
 
@@ -78,32 +80,31 @@ def test_chat_prompts_hash_alike_in_both_planes(msgs: list[dict[str, Any]], lim:
 def test_prompt_hashing_edge_cases() -> None:
     astral = {"messages": [{"role": "user", "content": [{"type": "image_url", "url": '\U0001f600\u00e9\x7f\n"\\'}]}]}
     assert rust_prompt(astral, True) == python_prompt(astral, True) is not None
-    # Floats in non-text parts: Python's repr is not reproduced, so the data plane hands them over.
-    assert rust_prompt({"messages": [{"role": "user", "content": [{"detail": 0.5}]}]}, True) is None
-    assert approx_prompt(b"{not json", False) is None and approx_prompt(b"[1]", False) is None
+    floats = {"messages": [{"role": "user", "content": [{"detail": 0.5, "big": 1e20, "tiny": -2.5e-7}]}]}
+    assert rust_prompt(floats, True) == python_prompt(floats, True) is not None  # printed as Python's repr
+    with pytest.raises(ValueError, match="not valid JSON"):
+        approx_prompt(b"{not json", False)
+    with pytest.raises(ValueError, match="JSON object"):
+        approx_prompt(b"[1]", False)
     with pytest.raises(ValueError, match="block_size"):
         approx_prompt(b'{"prompt": "x"}', False, 0)
 
 
-def test_hot_path_and_forwarded_requests_share_one_ttl_cache() -> None:
+def test_one_ttl_cache_of_routing_decisions_expired_by_the_plane() -> None:
     async def scenario() -> None:
-        async with Cluster(2, server="rust", approx_ttl=30.0) as c:
-            dp = c.gw.data_plane
-            assert dp is not None and dp.running
+        async with Cluster(2, approx_ttl=30.0) as c:
+            dp = c.gw.plane
+            assert dp.running
             status, headers, _ = await c.post("/v1/completions", {"prompt": "shared system prompt " * 20, "max_tokens": 2})
             assert status == 200
             m = dp.metrics()
-            assert m["forwarded"] == 0 and m["requests"][("/v1/completions", "2xx")] == 1 and m["routing_count"] == 1
+            assert m["requests"][("/v1/completions", "2xx")] == 1 and m["routing_count"] == 1
             served_by = c.worker_id(c.mock_by_url(headers["X-Kvroute-Worker"]))
             blocks = dp.approx_len()
             assert blocks > 0 and c.router.index.num_blocks(served_by) == blocks
-            # A float in a content part: the Python gateway routes this one, into the same cache.
             chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q " * 200}, {"type": "x", "w": 0.5}]}]}
             status, _, _ = await c.post("/v1/chat/completions", chat)
-            assert status == 200
-            assert dp.metrics()["forwarded"] == 1 and dp.approx_len() > blocks
-            assert len(c.gw.approx) == dp.approx_len()  # type: ignore[arg-type]
-            # One owner of expiry: the data plane's cache (the Python gateway runs no expiry loop).
+            assert status == 200 and dp.approx_len() > blocks
             assert dp.approx_expire(dp.approx_clock() + 1.0) == 0
             removed = dp.approx_expire(dp.approx_clock() + 31.0)
             assert removed > blocks and dp.approx_len() == 0
@@ -117,15 +118,25 @@ def test_hot_path_and_forwarded_requests_share_one_ttl_cache() -> None:
     run(scenario())
 
 
+def test_unknown_paths_and_methods_get_clear_errors() -> None:
+    async def scenario() -> None:
+        async with Cluster(1) as c:
+            for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405), ("POST", "/health", 405)):
+                async with c.client.request(method, c.url + path) as r:
+                    assert r.status == status and path in (await r.json())["error"]["message"], (method, path)
+            assert c.mocks[0].requests == 0
+
+    run(scenario())
+
+
 def test_pd_workers_added_at_runtime_are_served_on_the_hot_path() -> None:
     async def scenario() -> None:
         token = "an-admin-token"
-        async with Cluster(1, server="rust", admin_token=token) as c:
-            dp = c.gw.data_plane
-            assert dp is not None
+        async with Cluster(1, admin_token=token) as c:
+            dp = c.gw.plane
             auth = {"Authorization": f"Bearer {token}"}
-            async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "https://tls-only:1"}) as r:
-                assert r.status == 400 and "not supported by the data plane" in (await r.json())["error"]["message"]
+            async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "ftp://h:1"}) as r:
+                assert r.status == 400 and "worker url" in (await r.json())["error"]["message"]
             assert len(c.gw.workers) == 1 and len(c.router.workers()) == 1
             prefill, decode = MockWorker("p", role="prefill"), MockWorker("d", role="decode")
             for m in (prefill, decode):
@@ -143,7 +154,7 @@ def test_pd_workers_added_at_runtime_are_served_on_the_hot_path() -> None:
                 assert prefill.bodies[-1]["kv_transfer_params"]["do_remote_decode"] is True
                 assert decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "p"
                 m = dp.metrics()
-                assert m["forwarded"] == 0 and m["requests"][("/v1/completions", "2xx")] == 1  # the PD pair, on the Rust plane
+                assert m["requests"][("/v1/completions", "2xx")] == 1  # the PD pair
                 assert_no_leak(c)
             finally:
                 for m in (prefill, decode):
@@ -154,9 +165,8 @@ def test_pd_workers_added_at_runtime_are_served_on_the_hot_path() -> None:
 
 def test_stop_releases_requests_in_flight_and_start_reports_bind_errors() -> None:
     async def scenario() -> None:
-        async with Cluster(1, server="rust", mock={"cost_per_token": 1.0}) as c:
-            dp = c.gw.data_plane
-            assert dp is not None
+        async with Cluster(1, mock={"cost_per_token": 1.0}) as c:
+            dp = c.gw.plane
             task = asyncio.ensure_future(c.post("/v1/completions", {"prompt": "slow " * 40}))
             await poll(lambda: c.mocks[0].in_flight == 1, what="a request in flight on the engine")
             assert c.router.num_in_flight == 1
@@ -173,25 +183,27 @@ def test_stop_releases_requests_in_flight_and_start_reports_bind_errors() -> Non
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         taken = s.getsockname()[1]
-        dp = DataPlane(router, backend_port=1, port=taken)
+        dp = DataPlane(router)
         with pytest.raises(OSError, match="cannot listen"):
-            dp.start()
+            dp.start("127.0.0.1", taken)
         assert not dp.running and dp.url is None
 
 
 def test_bad_data_plane_configuration_is_refused() -> None:
     router = kvroute.Router()
     with pytest.raises(ValueError, match="threads"):
-        DataPlane(router, backend_port=1, threads=0)
+        DataPlane(router, threads=0)
     with pytest.raises(ValueError, match="read_timeout"):
-        DataPlane(router, backend_port=1, read_timeout=0.0)
+        DataPlane(router, read_timeout=0.0)
     with pytest.raises(ValueError, match="max_body_bytes"):
-        DataPlane(router, backend_port=1, max_body_bytes=0)
+        DataPlane(router, max_body_bytes=0)
     with pytest.raises(ValueError, match="pd_convention must be 'vllm' or 'sglang', got \"nixl\""):
-        DataPlane(router, backend_port=1, pd_convention="nixl")
-    dp = DataPlane(router, backend_port=1)
+        DataPlane(router, pd_convention="nixl")
+    dp = DataPlane(router)
     with pytest.raises(ValueError, match="expected http"):
-        dp.add_worker(0, "https://h:1")
+        dp.add_worker(0, "ftp://h:1")
+    with pytest.raises(ValueError, match=r"cannot read /nonexistent/ca\.pem"):
+        DataPlane(router, ca_file="/nonexistent/ca.pem")
     with pytest.raises(ValueError, match="role"):
         dp.add_worker(0, "http://h:1", role="encode")
     for port in (0, 70000):
@@ -204,37 +216,8 @@ def test_bad_data_plane_configuration_is_refused() -> None:
         dp.add_worker(0, "http://h:2")
     assert dp.remove_worker(0) and not dp.remove_worker(0)
     with pytest.raises(RuntimeError, match="approximate cache"):
-        DataPlane(router, backend_port=1, approx_ttl=None).approx_len()
+        DataPlane(router, approx_ttl=None).approx_len()
     np.testing.assert_array_equal(approx_prompt(b'{"prompt": [1, 2, 3, 4]}', False, 2)[0], kvroute.block_hashes([1, 2, 3, 4], 2))  # type: ignore[index]
-
-
-def test_kvroute_serve_chooses_its_data_plane(tmp_path: Path) -> None:
-    import argparse
-
-    from kvroute.gateway.cli import add_serve_parser, build_gateway, use_data_plane
-
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers())
-
-    def rust(*argv: str) -> bool:
-        a = parser.parse_args(["serve", *argv])
-        return use_data_plane(a, build_gateway(a))
-
-    assert rust("--worker", "http://h:1")  # unified, approximate: the Rust plane serves the hot path
-    if importlib.util.find_spec("tokenizers") and importlib.util.find_spec("jinja2"):
-        from exact_tokenizers import build_word_level
-
-        tok = build_word_level(tmp_path)
-        assert rust("--worker", "http://h:1", "--tokenizer", tok)  # exact mode: served by the Rust plane too
-        assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--tokenizer", tok)  # exact PD as well
-        assert not rust("--worker", "http://h:1", "--tokenizer", tok, "--data-plane", "python")
-    assert not rust("--worker", "https://h:1")  # it speaks plain http only
-    assert rust("--prefill", "http://p:1", "--decode", "http://d:1")  # PD: served on the Rust plane too
-    assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--pd-convention", "sglang")
-    assert not rust("--prefill", "http://p:1", "--decode", "https://d:1")
-    assert rust("--prefill", "http://p:1", "--decode", "http://d:1", "--data-plane", "rust")
-    assert not rust("--worker", "http://h:1", "--data-plane", "python")
-    assert not rust("--worker", "http://h:1", "--http-server", "aiohttp")
 
 
 def test_kvroute_serve_local_prefill_max_tokens() -> None:

@@ -1,6 +1,7 @@
-"""Exact mode in the Rust data plane: its token ids and block hashes equal the Python prompter's for
-the same bodies (tokenizers and chat templates built here), and it serves exact mode on its hot path,
-leaving to the Python gateway only what it cannot reproduce (whose answers, 400s included, are Python's)."""
+"""Exact mode in the Rust data plane: its token ids and block hashes equal ``kvroute.prompt``'s
+ExactPrompter's for the same bodies (tokenizers and chat templates built here; the integrations
+share an index with the plane), invalid bodies get its 400s, and a valid body it cannot render
+exactly routes on approximate hashes."""
 
 from __future__ import annotations
 
@@ -39,14 +40,14 @@ def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[DataPlan
     out = {}
     for name, (build, template) in SETUPS.items():
         path = build(tmp_path_factory.mktemp(name.replace("/", "-")), template)
-        dp = DataPlane(kvroute.Router(block_size=BS, hash_seed=SEED), backend_port=1, tokenizer=path)
+        dp = DataPlane(kvroute.Router(block_size=BS, hash_seed=SEED), tokenizer=path)
         assert dp.exact and dp.template_unsupported is None, name
         out[name] = (dp, ExactPrompter(path, BS, SEED), path)
     return out
 
 
 def python_side(ep: ExactPrompter, body: dict[str, Any], chat: bool) -> tuple[list[int], list[int], int, int | None] | None:
-    """(token ids, hashes, num_tokens, output_tokens) as the Python gateway derives them, or None
+    """(token ids, hashes, num_tokens, output_tokens) as kvroute.prompt derives them, or None
     when it answers 400 (or fails otherwise)."""
     try:
         p = ep.prompt(body, chat)
@@ -62,22 +63,25 @@ def python_side(ep: ExactPrompter, body: dict[str, Any], chat: bool) -> tuple[li
     return ids, p.hashes.tolist(), p.num_tokens, p.output_tokens
 
 
-def left_to_python(body: dict[str, Any]) -> bool:
-    """Bodies the data plane forwards by design: a template may print a non-text content (Python's repr is not reproduced)."""
+def printed_non_text(body: dict[str, Any]) -> bool:
+    """Bodies whose exact rendering is not reproduced by design: a template may print a non-text content."""
     return any(not isinstance(m.get("content"), (str, type(None))) for m in body.get("messages", []) if isinstance(m, dict))
 
 
 def check(dp: DataPlane, ep: ExactPrompter, body: dict[str, Any], chat: bool) -> bool:
-    """Both planes agree on ``body``; returns whether the data plane served it itself."""
+    """The plane agrees with the Python prompter on ``body``; returns whether it routed it exactly."""
     raw = json.dumps(body).encode()
     py = python_side(ep, body, chat)
-    rs = dp.prompt(raw, chat)
-    if rs is None:
-        assert py is None or left_to_python(body), f"the data plane forwards a body Python serves: {body}"
+    try:
+        ids = dp.exact_tokens(raw, chat)
+        rs = dp.prompt(raw, chat)  # exact, or the approximate fallback
+    except ValueError:  # the client's 400
+        assert py is None, f"the data plane refuses a body Python serves: {body}"
+        return False
+    if ids is None:
+        assert py is None or printed_non_text(body), f"the data plane routes approximately a body Python renders: {body}"
         return False
     assert py is not None, f"the data plane serves a body Python refuses: {body}"
-    ids = dp.exact_tokens(raw, chat)
-    assert ids is not None
     assert ids.tolist() == py[0], body
     assert (rs[0].tolist(), rs[1], rs[2]) == py[1:], body
     return True
@@ -175,7 +179,7 @@ CHATS = [
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_plain_requests_are_served_by_the_data_plane(planes: Any, setup: str) -> None:
-    """The common shapes never fall back to Python (the property tests allow forwarding)."""
+    """The common shapes are always routed exactly (the property tests allow the approximate fallback)."""
     dp, ep, _ = planes[setup]
     for body in CHATS:
         assert check(dp, ep, body, chat=True), body
@@ -191,45 +195,47 @@ def test_plain_requests_are_served_by_the_data_plane(planes: Any, setup: str) ->
 def test_data_plane_tokenizer_errors_are_clear(tmp_path: Path) -> None:
     router = kvroute.Router()
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
-        DataPlane(router, backend_port=1, tokenizer=str(tmp_path / "missing"))
+        DataPlane(router, tokenizer=str(tmp_path / "missing"))
     (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(ValueError, match="cannot load the tokenizer"):
-        DataPlane(router, backend_port=1, tokenizer=str(tmp_path))
+        DataPlane(router, tokenizer=str(tmp_path))
     path = build_word_level(tmp_path / "ok", template="{% for m in messages %}{{ m.content }")  # jinja2 refuses it too
     with pytest.raises(Exception, match="unexpected"):
         ExactPrompter(path, 4, 1337)
-    dp = DataPlane(router, backend_port=1, tokenizer=path)
-    assert dp.template_unsupported is not None  # chat requests would be forwarded, completions served
-    assert dp.prompt(b'{"prompt": "the sky"}', False) is not None
-    assert dp.prompt(b'{"messages": [{"role": "user", "content": "x"}]}', True) is None
+    dp = DataPlane(router, tokenizer=path)
+    assert dp.template_unsupported is not None  # chat requests route approximately, completions exactly
+    assert dp.exact_tokens(b'{"prompt": "the sky"}', False) is not None
+    chat = b'{"messages": [{"role": "user", "content": "x"}]}'
+    assert dp.exact_tokens(chat, True) is None
+    approx = DataPlane(kvroute.Router()).prompt(chat, True)
+    assert approx[0].tolist() == dp.prompt(chat, True)[0].tolist()
     with pytest.raises(RuntimeError, match="not in exact mode"):
-        DataPlane(router, backend_port=1).exact_tokens(b'{"prompt": "x"}', False)
+        DataPlane(router).exact_tokens(b'{"prompt": "x"}', False)
 
 
-def test_exact_mode_on_the_hot_path_answers_as_python_does(tmp_path: Path) -> None:
-    """Served in Rust (nothing forwarded, load released, decisions inserted as Python does without
-    KV events); what it cannot render goes to Python, whose answer the client gets, the same as
-    from the Python gateway alone."""
+def test_exact_mode_on_the_plane_answers_as_python_does(tmp_path: Path) -> None:
+    """Routed in Rust (load released, decisions inserted as without KV events); invalid bodies get
+    the Python prompter's 400s; a body the template cannot print exactly is routed approximately and
+    the engine still gets it unchanged."""
     path = build_byte_level_bpe(tmp_path / "llama2", LLAMA2)
     no_template = build_word_level(tmp_path / "none", template=None)
+    printing = build_word_level(tmp_path / "printing", template="{% for m in messages %}{{ m.content }}{% endfor %}")
     alternating = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    ep = ExactPrompter(path, BS, SEED)
 
-    async def answers(server: str) -> list[tuple[int, Any]]:
-        out = []
-        async with Cluster(3, server=server, tokenizer=path, router={"block_size": BS}) as c:
-            dp = c.gw.data_plane
+    async def scenario() -> None:
+        async with Cluster(3, tokenizer=path, router={"block_size": BS}) as c:
+            dp = c.gw.plane
             for body in [CHATS[0], {"messages": [{"role": "user", "content": "the sky " * 40}], "stream": True}]:
                 status, _, data = await c.post("/v1/chat/completions", body)
                 assert status == 200, data
             for body in [{"prompt": "once upon a time " * 300, "max_tokens": 3}, {"prompt": list(range(40))}]:  # 5 KB: the blocking pool
                 status, _, data = await c.post("/v1/completions", body)
                 assert status == 200, data
-            if dp is not None:
-                m = dp.metrics()
-                assert dp.exact and m["forwarded"] == 0, m
-                assert m["requests"][("/v1/chat/completions", "2xx")] == 2 and m["requests"][("/v1/completions", "2xx")] == 2
-                assert m["routing_count"] == 4 and dp.approx_len() > 0  # no KV events: decisions inserted, as in Python
-            assert len(c.router.index) > 0
+            m = dp.metrics()
+            assert dp.exact and m["requests"][("/v1/chat/completions", "2xx")] == 2 and m["requests"][("/v1/completions", "2xx")] == 2
+            assert m["routing_count"] == 4 and dp.approx_len() > 0  # no KV events: decisions inserted
+            messages = []
             for path_, body in [
                 ("/v1/chat/completions", alternating),
                 ("/v1/chat/completions", {"messages": []}),
@@ -237,47 +243,25 @@ def test_exact_mode_on_the_hot_path_answers_as_python_does(tmp_path: Path) -> No
                 ("/v1/completions", {"prompt": "the sky", "max_tokens": -1}),
             ]:
                 status, _, data = await c.post(path_, body)
-                out.append((status, json.loads(data)))
-            if dp is not None:
-                assert dp.metrics()["forwarded"] == 4  # Python answered those
+                assert status == 400, (body, data)
+                with pytest.raises((ValueError, OverflowError)):  # the Python prompter refuses it too
+                    ep.prompt(body, path_ == "/v1/chat/completions")
+                messages.append(json.loads(data)["error"]["message"])
+            assert "must alternate" in messages[0] and "messages" in messages[1], messages
+            assert "token ids" in messages[2] and "max_tokens" in messages[3], messages
             assert_no_leak(c)
-        async with Cluster(1, server=server, tokenizer=no_template) as c:
+        async with Cluster(1, tokenizer=no_template) as c:
             status, _, data = await c.post("/v1/chat/completions", CHATS[0])
-            out.append((status, json.loads(data)))
+            assert status == 400 and "no chat_template" in json.loads(data)["error"]["message"]
             status, _, _ = await c.post("/v1/completions", {"prompt": "the sky"})
             assert status == 200
-            if c.gw.data_plane is not None:
-                assert c.gw.data_plane.metrics()["forwarded"] == 1
-        return out
-
-    rust, python = run(answers("rust")), run(answers("lean"))
-    assert rust == python
-    assert [s for s, _ in rust] == [400] * 5
-    assert "must alternate" in rust[0][1]["error"]["message"] and "no chat_template" in rust[-1][1]["error"]["message"]
-
-
-def test_a_tokenizer_only_python_loads_falls_back_to_forwarding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the Rust side cannot load a tokenizer the Python package loads, the data plane forwards
-    every completion (exact mode stays correct, in Python) instead of failing to start."""
-    import kvroute.gateway.dataplane as dataplane
-
-    real = dataplane.DataPlane
-
-    def rust_refuses_tokenizers(router: kvroute.Router, *, tokenizer: str | None = None, **kw: Any) -> DataPlane:
-        if tokenizer is not None:
-            raise ValueError(f"cannot load the tokenizer {tokenizer}: unsupported here")
-        return real(router, **kw)
-
-    monkeypatch.setattr(dataplane, "DataPlane", rust_refuses_tokenizers)
-    path = build_word_level(tmp_path)
-
-    async def scenario() -> None:
-        async with Cluster(2, server="rust", tokenizer=path, router={"block_size": BS}) as c:
-            dp = c.gw.data_plane
-            assert dp is not None and not dp.exact
-            status, _, data = await c.post("/v1/chat/completions", CHATS[0])
-            assert status == 200, data
-            assert dp.metrics()["forwarded"] == 1 and dp.metrics()["routing_count"] == 0
+        async with Cluster(1, tokenizer=printing, router={"block_size": BS}) as c:
+            c.mocks[0].keep_bodies = True
+            body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "the sky"}]}], "max_tokens": 2}
+            assert c.gw.plane.exact_tokens(json.dumps(body).encode(), True) is None  # printing a list: not reproduced
+            status, _, data = await c.post("/v1/chat/completions", body)
+            assert status == 200 and c.mocks[0].bodies[-1] == body, data
+            assert c.gw.plane.metrics()["routing_count"] == 1
             assert_no_leak(c)
 
     run(scenario())
@@ -290,15 +274,15 @@ def test_exact_mode_pd_is_served_by_the_data_plane(tmp_path: Path, convention: s
 
     async def scenario() -> None:
         rv = Rendezvous() if convention == "sglang" else None
-        async with Cluster(prefill=1, decode=1, server="rust", tokenizer=path, pd_convention=convention, rendezvous=rv) as c:
-            dp = c.gw.data_plane
-            assert dp is not None and dp.exact
+        async with Cluster(prefill=1, decode=1, tokenizer=path, pd_convention=convention, rendezvous=rv) as c:
+            dp = c.gw.plane
+            assert dp.exact
             status, headers, data = await c.post("/v1/chat/completions", {**CHATS[0], "stream": True})
             assert status == 200 and headers["X-Kvroute-Worker"] == c.decode[0].url, data
             status, _, data = await c.post("/v1/completions", {"prompt": "once upon a time", "max_tokens": 2})
             assert status == 200, data
             m = dp.metrics()
-            assert m["forwarded"] == 0 and m["routing_count"] == 2, m
+            assert m["routing_count"] == 2, m
             assert_no_leak(c)
 
     run(scenario())

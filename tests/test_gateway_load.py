@@ -14,11 +14,8 @@ pytest.importorskip("aiohttp")
 from gateway_harness import (
     Cluster,
     assert_no_leak,
-    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
     run,
 )
-
-pytestmark = pytest.mark.usefixtures("http_server")
 
 N, RATE = 2000, 200.0
 
@@ -51,8 +48,6 @@ def test_2000_requests_at_200_per_second_zero_lost() -> None:
             served = [m.completed for m in c.mocks]
             assert sum(served) == N and min(served) > 0, served
             assert c.metrics.requests[("/v1/completions", "2xx")] == N
-            if c.gw.data_plane is not None:  # the Rust plane served every one itself
-                assert c.gw.data_plane.metrics()["forwarded"] == 0
             assert_no_leak(c)
 
     run(scenario(), timeout=60)

@@ -1,7 +1,6 @@
 """Gateway PD mode in both handshakes (vLLM's kv_transfer_params, SGLang's bootstrap) with their
 failures (dead workers on either side, errors, client disconnects), exact-token mode with a tokenizer
-built here, and the ``kvroute serve`` argument handling. On the ``rust`` server the PD flows run on the
-Rust data plane's hot path (asserted: none is forwarded to the Python gateway)."""
+built here, and the ``kvroute serve`` argument handling; all on the Rust data plane."""
 
 from __future__ import annotations
 
@@ -21,25 +20,23 @@ from gateway_harness import (
     Cluster,
     Rendezvous,
     assert_no_leak,
-    http_server,  # noqa: F401  (the fixture: each test runs on both HTTP servers)
     poll,
     run,
 )
 from kvroute.prompt import ApproxCache, ApproxPrompter, ExactPrompter
 
-pytestmark = pytest.mark.usefixtures("http_server")
-
 CHAT = {"messages": [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "why is the sky blue?"}], "max_tokens": 6}
 
 
 def assert_served_by_the_plane_in_front(c: Cluster) -> None:
-    """On the ``rust`` server, the data plane served every completion itself: none was forwarded."""
-    if c.server != "rust":
-        return
-    dp = c.gw.data_plane
-    assert dp is not None
-    m = dp.metrics()
-    assert m["forwarded"] == 0 and sum(m["requests"].values()) > 0, m
+    """The data plane counted the completions it served."""
+    m = c.gw.plane.metrics()
+    assert sum(m["requests"].values()) > 0, m
+
+
+def _hashes(c: Cluster, body: dict[str, Any]) -> Any:
+    """The block hashes the data plane routes this completions body on."""
+    return c.gw.plane.prompt(json.dumps(body).encode(), False)[0]
 
 
 def test_pd_vllm_convention_two_steps() -> None:
@@ -99,8 +96,7 @@ def test_pd_sglang_convention_bootstrap_to_both() -> None:
 
             # A failing prefill is retried with a fresh room on the other prefill server.
             body = {"prompt": "pd retry " * 40, "max_tokens": 3}
-            p = c.gw.prompter.prompt(body, False)
-            c.router.index.store(c.worker_id(prefill), p.hashes)
+            c.router.index.store(c.worker_id(prefill), _hashes(c, body))
             prefill.fail_next, prefill.healthy = 1, False
             status, headers, data = await c.post("/v1/completions", body)
             assert status == 200, data
@@ -119,7 +115,7 @@ def test_pd_vllm_retries_past_a_dead_prefill_and_a_dead_decode_worker() -> None:
             p0, p1 = c.prefill
             d0, d1 = c.decode
             body = {"prompt": "dead prefill " * 40, "max_tokens": 3, "stream": True}
-            c.router.index.store(c.worker_id(p0), c.gw.prompter.prompt(body, False).hashes)  # p0 is the first choice
+            c.router.index.store(c.worker_id(p0), _hashes(c, body))  # p0 is the first choice
             await p0.stop()  # refuses connections, and its health probe fails: it stays out
             status, headers, data = await c.post("/v1/completions", body)
             assert status == 200 and data.endswith(b"data: [DONE]\n\n"), data
@@ -274,7 +270,7 @@ def test_pd_sglang_client_disconnect_cancels_both_requests_and_releases_load() -
 
 
 def test_pd_sglang_prefill_bootstrap_port_from_flag() -> None:
-    from kvroute.gateway.cli import add_serve_parser, build_app
+    from kvroute.gateway.cli import add_serve_parser, build_gateway
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
@@ -292,14 +288,13 @@ def test_pd_sglang_prefill_bootstrap_port_from_flag() -> None:
             "sglang",
         ]
     )
-    app = build_app(a)
-    from kvroute.gateway import GATEWAY_KEY
-
-    ports = {w.url: w.cfg.bootstrap_port for w in app[GATEWAY_KEY].workers.values()}
+    gw = build_gateway(a)
+    ports = {w.url: w.cfg.bootstrap_port for w in gw.workers.values()}
+    assert {w["url"]: w["bootstrap_port"] for w in gw.plane.workers()} == ports
     assert ports == {"http://p0:30000": 9000, "http://p1:30000": 8998, "http://d0:30000": None}
     for bad in (["serve"], ["serve", "--prefill", "http://p:1"], ["serve", "--worker", "http://w:1", "--kv-events", "nonsense"]):
         with pytest.raises(argparse.ArgumentTypeError):
-            build_app(parser.parse_args(bad))
+            build_gateway(parser.parse_args(bad))
 
 
 def _build_tokenizer(tmp_path) -> str:  # type: ignore[no-untyped-def]
@@ -319,11 +314,10 @@ def _build_tokenizer(tmp_path) -> str:  # type: ignore[no-untyped-def]
 
 
 def assert_served_by_data_plane(c: Cluster) -> None:
-    """Behind the Rust data plane, exact-mode completions are served on its hot path, not forwarded."""
-    dp = c.gw.data_plane
-    if dp is not None:
-        m = dp.metrics()
-        assert dp.exact and m["forwarded"] == 0 and m["routing_count"] >= 1, m
+    """The data plane routed exact-mode completions."""
+    dp = c.gw.plane
+    m = dp.metrics()
+    assert dp.exact and m["routing_count"] >= 1, m
 
 
 def test_exact_mode_hashes_what_the_engine_sees(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -374,7 +368,7 @@ def test_kv_events_feed_the_index_in_exact_mode(tmp_path) -> None:  # type: igno
             await poll(lambda: c.router.index.num_blocks(target) == len(ids) // 4, what="KV events applied to the index")
             status, headers, data = await c.post("/v1/chat/completions", CHAT)
             assert status == 200 and headers["X-Kvroute-Worker"] == c.mocks[1].url, data
-            assert c.gw.approx is None and len(c.router.index) == len(ids) // 4
+            assert not c.gw.plane.has_approx and len(c.router.index) == len(ids) // 4
             assert_served_by_data_plane(c)
             assert_no_leak(c)
 

@@ -1,4 +1,4 @@
-"""Engine faults behind ``kvroute serve`` (Rust plane, exact mode, KV events): one engine SIGKILLed and
+"""Engine faults behind ``kvroute serve`` (exact mode, KV events): one engine SIGKILLed and
 then the other stopped with SIGTERM while 4 client threads stream chats through the ``openai`` client.
 Every request ends within BOUND seconds with a complete answer or a clear error, none hangs; requests
 after the fault go to the live engine; the restarted engine is routed to again."""
@@ -106,7 +106,7 @@ def fault_while_streaming(gw: Gateway, victim: vllm_bed.Engine, survivor: vllm_b
 
 def test_engine_killed_and_terminated_while_streaming(live_engines: list[vllm_bed.Engine]) -> None:
     e0, e1 = live_engines
-    gw = Gateway(e0.bed, live_engines, ["--data-plane", "rust", "--tokenizer", str(e0.bed.model)], name="gateway-faults")
+    gw = Gateway(e0.bed, live_engines, ["--tokenizer", str(e0.bed.model)], name="gateway-faults")
     gw.start()
     try:
         for victim, survivor, sig in ((e1, e0, signal.SIGKILL), (e0, e1, signal.SIGTERM)):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_serve_parser", "build_app", "cmd_serve"]
+__all__ = ["add_serve_parser", "build_gateway", "cmd_serve"]
 
 
 def _mapping(values: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -104,33 +103,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
-    s.add_argument(
-        "--http-server",
-        choices=("lean", "aiohttp"),
-        default="lean",
-        help="the Python gateway's server when it faces clients: lean, kvroute's own HTTP/1.1 server (less CPU per request), "
-        "or aiohttp's (behind the Rust data plane it is always lean)",
-    )
-    s.add_argument(
-        "--data-plane",
-        choices=("auto", "rust", "python"),
-        default="auto",
-        help="rust: a Rust front door serves completions (unified and PD, exact or approximate mode) and forwards the rest to "
-        "the Python gateway; python: the Python gateway alone; auto (default): rust when it serves the hot path (http:// "
-        "workers), else python",
-    )
-    s.add_argument("--data-plane-threads", type=int, default=1, help="runtime threads of the Rust data plane (default 1)")
-    s.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="auto: uvloop when installed")
+    s.add_argument("--ca-file", metavar="PEM", help="extra CA certificates trusted for https:// workers (beside the system's)")
+    s.add_argument("--threads", type=int, default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
     return p
-
-
-def build_app(a: argparse.Namespace) -> Any:
-    """The aiohttp application serving ``build_gateway(a)``."""
-    from kvroute.gateway.app import gateway_app
-
-    return gateway_app(build_gateway(a))
 
 
 def build_gateway(a: argparse.Namespace) -> Any:
@@ -178,6 +155,8 @@ def build_gateway(a: argparse.Namespace) -> Any:
         health_interval=a.health_interval,
         metrics_interval=a.metrics_interval,
         models=tuple(a.model),
+        ca_file=a.ca_file,
+        threads=a.threads,
     )
     return make_gateway(
         router,
@@ -190,7 +169,6 @@ def build_gateway(a: argparse.Namespace) -> Any:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     import asyncio
-    import importlib
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -198,85 +176,27 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except (argparse.ArgumentTypeError, ValueError, TypeError, FileNotFoundError) as e:
         print(f"kvroute serve: error: {e}", file=sys.stderr, flush=True)
         return 2
-    loop = None
-    if a.event_loop != "asyncio":
-        try:  # uvloop, when installed, makes the proxy path cheaper
-            loop = importlib.import_module("uvloop").new_event_loop()
-        except ImportError:
-            if a.event_loop == "uvloop":
-                print("kvroute serve: error: --event-loop uvloop but uvloop is not installed", file=sys.stderr)
-                return 2
-    loop = loop or asyncio.new_event_loop()
-
-    def freeze() -> None:
-        # Startup objects (modules, app, router) never die: keep them out of the cyclic GC's scans,
-        # which otherwise show up as tail latency.
-        gc.collect()
-        gc.freeze()
-
-    if a.data_plane_threads < 1:
-        print("kvroute serve: error: --data-plane-threads must be >= 1", file=sys.stderr)
-        return 2
-    if use_data_plane(a, gw):
-        from functools import partial
-
-        from kvroute.gateway.dataplane import serve_with_data_plane
-
-        return loop.run_until_complete(
-            _serve_lean(gw, a.host, a.port, freeze, partial(serve_with_data_plane, threads=a.data_plane_threads), label="Rust data plane")
-        )
-    if a.http_server == "aiohttp":
-        from aiohttp import web
-
-        from kvroute.gateway.app import gateway_app
-
-        async def on_startup(_app: web.Application) -> None:
-            freeze()
-
-        app = gateway_app(gw)
-        app.on_startup.append(on_startup)
-        web.run_app(
-            app, host=a.host, port=a.port, handler_cancellation=True, access_log=None, loop=loop, print=lambda m: print(m, flush=True)
-        )
-        return 0
-    return loop.run_until_complete(_serve_lean(gw, a.host, a.port, freeze, label="Python gateway"))
+    return asyncio.run(_serve(gw, a.host, a.port))
 
 
-def use_data_plane(a: argparse.Namespace, gw: Any) -> bool:
-    """--data-plane auto: the Rust plane only where it serves the hot path itself (unified or PD,
-    exact or approximate mode, http:// workers); else the Python gateway alone (--data-plane rust
-    still fronts it)."""
-    if a.data_plane == "auto":
-        from kvroute.gateway.dataplane import can_front, hot_path_applies
-
-        return a.http_server == "lean" and hot_path_applies(gw) and can_front(gw)
-    return bool(a.data_plane == "rust")
-
-
-async def _serve_lean(gw: Any, host: str, port: int, freeze: Any, serve: Any = None, *, label: str) -> int:
+async def _serve(gw: Any, host: str, port: int) -> int:
     import asyncio
     import signal
 
-    from kvroute.gateway.server import serve_lean
-
-    serve = serve or serve_lean
-
     def ready(url: str) -> None:
-        freeze()
         mode = "exact" if gw.config.tokenizer else "approximate"
-        print(f"======== kvroute gateway on {url} ({label}, {mode} prompts) ========", flush=True)
+        print(f"======== kvroute gateway on {url} (Rust data plane, {mode} prompts) ========", flush=True)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = asyncio.ensure_future(serve(gw, host, port, ready))
+    server = asyncio.ensure_future(gw.serve(host, port, ready))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
     if server.done():
-        exc = server.exception()
-        print(f"kvroute serve: error: {exc!r}", file=sys.stderr, flush=True)
+        print(f"kvroute serve: error: {server.exception()!r}", file=sys.stderr, flush=True)
         return 1
     server.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -15,7 +15,17 @@ from typing import Any, cast
 
 from aiohttp import web
 
-__all__ = ["MockWorker", "Rendezvous"]
+__all__ = ["VLLM_PREFILL_KV_TRANSFER_PARAMS", "MockWorker", "Rendezvous"]
+
+# What vLLM's P/D proxy asks of the prefill engine: compute the prompt's KV and keep it for a remote decode.
+VLLM_PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass
@@ -53,8 +63,10 @@ class MockWorker:
         cache_blocks: int = 1_000_000,
         rendezvous: Rendezvous | None = None,
         bootstrap_port: int = 8998,
+        ssl_context: Any = None,
     ) -> None:
         self.name = name
+        self.ssl_context = ssl_context  # an ssl.SSLContext: serve https
         self.role = role
         self.cost_per_token = cost_per_token
         self.token_delay = token_delay
@@ -93,12 +105,12 @@ class MockWorker:
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, "127.0.0.1", port)
+        self._site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=self.ssl_context)
         await self._site.start()
         server = self._site._server
         assert server is not None
         self.port = cast(Any, server).sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if self.ssl_context is not None else 'http'}://127.0.0.1:{self.port}"
         return self.url
 
     async def kill(self) -> None:

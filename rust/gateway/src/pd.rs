@@ -1,5 +1,5 @@
 //! PD disaggregation on the data plane's hot path: vLLM's two-step handshake and SGLang's bootstrap to
-//! both servers at once, with the Python gateway's semantics (`_pd_vllm`, `_pd_sglang` in gateway/app.py).
+//! both servers at once, with the semantics docs/gateway.md ("PD disaggregation") describes.
 //!
 //! Request bodies are edited as JSON text, key by key: the client's values reach the engines as the
 //! client wrote them (no float or big-integer round trip), keys keep their order, and a key set here
@@ -227,7 +227,7 @@ pub(super) async fn serve(call: &Call<'_>, prefill: WorkerId, decode: WorkerId, 
     };
     let body = match JsonFields::parse(call.raw) {
         Ok(b) => b,
-        // The hot path only takes JSON objects, so this is unreachable; answer as Python would.
+        // The hot path only takes JSON objects, so this is unreachable; answer with a 400 all the same.
         Err(_) => return Ok(adm.respond(error(400, "request body must be a JSON object", "invalid_request_error", None))),
     };
     match call.sh.cfg.pd_convention {

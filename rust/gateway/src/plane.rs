@@ -1,5 +1,5 @@
 //! The data plane's server: admission limits, the hot path (hash, route, relay with load accounting
-//! and retries) and the byte-for-byte forwarding of everything else to the Python gateway.
+//! and retries), `/v1/models`, `/health`, `/metrics`, and the admin API passed to its owner.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -20,6 +20,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -34,17 +35,15 @@ use tokio::time::Sleep;
 
 use crate::approx::ApproxCache;
 use crate::exact::{ExactError, ExactPrompter};
-use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::prompt::{approx_prompt, py_truthy, ApproxPrompt};
+use crate::metrics::{render_metrics, Metrics, MetricsSnapshot};
+use crate::prompt::{approx_prompt, approx_prompt_of, py_truthy, ApproxPrompt, BadRequest};
 
 #[path = "pd.rs"]
 pub mod pd;
 use pd::{PdConvention, PdHold};
 
-/// The header carrying the client's identity to the Python gateway (set here, never trusted from clients).
-pub const CLIENT_HEADER: &str = "x-kvroute-client";
-/// Request ids of the data plane's routes have the top bit set, so they never collide with the
-/// Python gateway's (a counter from 1) in the shared Router.
+/// Request ids of the data plane's routes have the top bit set, so they never collide with ids a
+/// library user routes by hand on the same Router (a counter from 1, as in the examples).
 pub const REQUEST_ID_BASE: u64 = 1 << 63;
 
 /// Client headers the engines may need (API key, request id, trace context): Python's `_FORWARD`.
@@ -56,13 +55,7 @@ const HOP_BY_HOP: [&str; 8] =
 /// How the data plane behaves; the Python side fills it from its GatewayConfig.
 #[derive(Clone, Debug)]
 pub struct PlaneConfig {
-    /// Address clients connect to.
-    pub listen: SocketAddr,
-    /// The Python gateway's internal address (loopback), for everything not served here.
-    pub backend: SocketAddr,
-    /// Serve completions here, unified and PD (else forward them too).
-    pub hot_path: bool,
-    /// How prefill and decode workers are paired (the Python gateway's `pd_convention`).
+    /// How prefill and decode workers are paired (`GatewayConfig.pd_convention`).
     pub pd_convention: PdConvention,
     /// Exact mode: the engines' tokenizer.json (or its directory); `None`: approximate prompts.
     pub tokenizer: Option<std::path::PathBuf>,
@@ -82,6 +75,12 @@ pub struct PlaneConfig {
     pub approx_ttl: Option<Duration>,
     /// Runtime threads: 1 runs a current-thread runtime on one dedicated thread.
     pub threads: usize,
+    /// `/v1/models` answers with these when no worker answers it.
+    pub models: Vec<String>,
+    /// Longest wait for a worker's `/v1/models`.
+    pub health_timeout: Duration,
+    /// Extra PEM certificates trusted for `https://` workers (beside the system's roots).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Called (off the hot path) when the data plane marks a worker unhealthy, so its owner probes it back.
@@ -95,12 +94,14 @@ pub enum PlaneError {
     Runtime(io::Error),
     #[error("invalid data plane config: {0}")]
     Config(String),
-    #[error("worker url {0:?} is not supported by the data plane: expected http://host[:port][/prefix]")]
+    #[error("worker url {0:?} is not supported: expected http(s)://host[:port][/prefix]")]
     WorkerUrl(String),
     #[error("worker {0} is already registered with the data plane")]
     DuplicateWorker(WorkerId),
     #[error(transparent)]
     Exact(#[from] ExactError),
+    #[error("cannot set up TLS for https workers: {0}")]
+    Tls(String),
 }
 
 /// One worker as the data plane sees it.
@@ -109,6 +110,7 @@ pub struct WorkerRow {
     pub id: WorkerId,
     pub url: String,
     pub role: Role,
+    pub bootstrap_port: Option<u16>,
     pub healthy: bool,
     pub in_flight: i64,
     pub served: u64,
@@ -146,7 +148,7 @@ impl Worker {
     }
 }
 
-type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+type UpstreamClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 struct Shared {
     router: Arc<Router>,
@@ -161,7 +163,8 @@ struct Shared {
     in_flight: AtomicUsize,
     next_rid: AtomicU64,
     client: UpstreamClient,
-    backend_base: String,
+    /// Where `/admin` requests go (the owner's admin API on loopback); `None`: the admin API is off.
+    admin_base: RwLock<Option<String>>,
     on_unhealthy: Option<UnhealthyHook>,
 }
 
@@ -193,8 +196,14 @@ impl DataPlane {
         }
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
+        connector.enforce_http(false);
         connector.set_connect_timeout(Some(cfg.connect_timeout));
-        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(connector);
+        let tls = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config(cfg.ca_file.as_deref())?)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).build(tls);
         let rc = router.config();
         let exact = match &cfg.tokenizer {
             Some(path) => Some(Arc::new(ExactPrompter::load(path, rc.block_size, rc.hash_seed)?)),
@@ -206,7 +215,7 @@ impl DataPlane {
             approx: cfg.approx_ttl.map(|ttl| ApproxCache::new(router.index().clone(), ttl)),
             exact,
             router: router.clone(),
-            backend_base: format!("http://{}", cfg.backend),
+            admin_base: RwLock::new(None),
             cfg,
             workers: RwLock::new(HashMap::new()),
             metrics: Metrics::default(),
@@ -219,13 +228,14 @@ impl DataPlane {
         Ok(DataPlane { shared, control: Mutex::new(Control::default()) })
     }
 
-    /// Binds the listen address (errors here, synchronously) and serves on a runtime thread.
-    pub fn start(&self) -> Result<SocketAddr, PlaneError> {
+    /// Binds `listen` (errors here, synchronously) and serves on a runtime thread; `/admin`
+    /// requests go to `admin` (the owner's admin API, on loopback), or get 403 without one.
+    pub fn start(&self, listen: SocketAddr, admin: Option<SocketAddr>) -> Result<SocketAddr, PlaneError> {
         let mut ctl = self.control.lock();
         if ctl.thread.is_some() {
             return Err(PlaneError::Config("the data plane is already running".into()));
         }
-        let listen = self.shared.cfg.listen;
+        *self.shared.admin_base.write() = admin.map(|a| format!("http://{a}"));
         let listener = std::net::TcpListener::bind(listen).map_err(|source| PlaneError::Bind { addr: listen, source })?;
         listener.set_nonblocking(true).map_err(PlaneError::Runtime)?;
         let local_addr = listener.local_addr().map_err(PlaneError::Runtime)?;
@@ -271,11 +281,12 @@ impl DataPlane {
         self.control.lock().local_addr
     }
 
-    /// Registers a worker the Python gateway registered with the Router (same id and role);
+    /// Registers a worker its owner registered with the Router (same id and role);
     /// `bootstrap_port`: an SGLang PD prefill server's.
     pub fn add_worker(&self, id: WorkerId, url: &str, role: Role, bootstrap_port: Option<u16>) -> Result<(), PlaneError> {
         let base = url.trim_end_matches('/');
-        let rest = base.strip_prefix("http://").ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
+        let rest =
+            base.strip_prefix("http://").or_else(|| base.strip_prefix("https://")).ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
         if rest.is_empty() || rest.starts_with('/') || base.parse::<http::Uri>().is_err() {
             return Err(PlaneError::WorkerUrl(url.to_string()));
         }
@@ -307,6 +318,16 @@ impl DataPlane {
         self.shared.workers.write().remove(&id).is_some()
     }
 
+    /// Takes a worker out of routing as a failed dispatch does (the owner's health probe failed):
+    /// removed from the Router, its approximate blocks dropped, its streams in flight ended, the
+    /// owner told through the unhealthy hook. False when unknown or already unhealthy.
+    pub fn mark_unhealthy(&self, id: WorkerId, reason: &str) -> bool {
+        let Some(w) = self.shared.worker(id) else { return false };
+        let was = w.healthy.load(Ordering::SeqCst);
+        self.shared.mark_unhealthy(&w, reason);
+        was
+    }
+
     /// The owner's view of a worker's health (it marked it down, or its probe brought it back).
     pub fn set_healthy(&self, id: WorkerId, healthy: bool) -> bool {
         match self.shared.workers.read().get(&id) {
@@ -330,6 +351,7 @@ impl DataPlane {
                 id: w.id,
                 url: w.url.clone(),
                 role: w.role,
+                bootstrap_port: w.bootstrap_port,
                 healthy: w.healthy.load(Ordering::SeqCst),
                 in_flight: w.in_flight.load(Ordering::SeqCst),
                 served: w.served.load(Ordering::SeqCst),
@@ -348,20 +370,29 @@ impl DataPlane {
         self.shared.exact.as_deref()
     }
 
-    /// The prompt the hot path routes this body on (exact or approximate, as configured), or `None`
-    /// when it would forward the request to the Python gateway.
-    pub fn prompt(&self, body: &Value, chat: bool) -> Option<ApproxPrompt> {
-        match &self.shared.exact {
-            Some(exact) => exact.prompt(body, chat),
-            None => approx_prompt(body, chat, self.shared.block_size, self.shared.seed),
+    /// The prompt the hot path routes this body on (exact, or approximate when not configured or
+    /// not reproducible exactly), or the 400 an invalid body gets.
+    pub fn prompt(&self, body: &Value, chat: bool) -> Result<ApproxPrompt, BadRequest> {
+        let sh = &self.shared;
+        match &sh.exact {
+            Some(exact) => match exact.prompt(body, chat)? {
+                Some(p) => Ok(p),
+                None => approx_prompt_of(body, chat, sh.block_size, sh.seed, false),
+            },
+            None => approx_prompt(body, chat, sh.block_size, sh.seed),
         }
+    }
+
+    /// The Prometheus exposition `/metrics` serves.
+    pub fn metrics_text(&self) -> String {
+        self.shared.metrics_text()
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {
         self.shared.metrics.snapshot()
     }
 
-    /// Requests this plane holds admission slots for (hot and forwarded completions).
+    /// Requests this plane holds admission slots for.
     pub fn in_flight(&self) -> usize {
         self.shared.in_flight.load(Ordering::SeqCst)
     }
@@ -459,7 +490,7 @@ impl Reject {
     }
 }
 
-/// The Python gateway's JSON error shape.
+/// The OpenAI-style JSON error shape.
 fn error(status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> Response<PlaneBody> {
     let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}});
     let mut r = Response::new(PlaneBody::full(Bytes::from(body.to_string())));
@@ -472,19 +503,16 @@ fn error(status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> Re
 }
 
 async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Response<PlaneBody> {
-    let endpoint = match (req.method() == Method::POST, req.uri().path()) {
-        (true, "/v1/completions") => Some(("/v1/completions", false)),
-        (true, "/v1/chat/completions") => Some(("/v1/chat/completions", true)),
-        _ => None,
+    let path = req.uri().path();
+    let (endpoint, chat) = match path {
+        "/v1/completions" => ("/v1/completions", false),
+        "/v1/chat/completions" => ("/v1/chat/completions", true),
+        _ => return other(&sh, req).await,
     };
+    if req.method() != Method::POST {
+        return error(405, &format!("{path} takes POST"), "invalid_request_error", None);
+    }
     let key = client_key(&sh, req.headers(), &ip);
-    let Some((endpoint, chat)) = endpoint else {
-        let (parts, body) = req.into_parts();
-        return match read_body(&sh, &parts.headers, body).await {
-            Ok(raw) => forward(&sh, parts, raw, &key, None).await,
-            Err(reject) => reject.response(),
-        };
-    };
     let adm = match Admission::take(&sh, key, endpoint) {
         Ok(a) => a,
         Err(reject) => {
@@ -497,23 +525,130 @@ async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Respon
         Ok(raw) => raw,
         Err(reject) => return adm.respond(reject.response()),
     };
-    if sh.cfg.hot_path {
-        if let Ok(value) = serde_json::from_slice::<Value>(&raw) {
-            let t0 = Instant::now();
-            let stream = value.get("stream").is_some_and(py_truthy);
-            let prompt = match &sh.exact {
-                Some(exact) => exact.prompt_async(value, chat).await,
-                None => approx_prompt(&value, chat, sh.block_size, sh.seed),
-            };
-            if let Some(prompt) = prompt {
-                let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream };
-                return serve_hot(&call, &prompt, t0, adm).await;
+    let value = match serde_json::from_slice::<Value>(&raw) {
+        Ok(v) => v,
+        Err(e) => return adm.respond(error(400, &format!("request body is not valid JSON: {e}"), "invalid_request_error", None)),
+    };
+    let t0 = Instant::now();
+    let stream = value.get("stream").is_some_and(py_truthy);
+    let prompt = match &sh.exact {
+        // A valid body the exact prompter cannot reproduce routes on its approximate hashes.
+        Some(exact) => match exact.prompt_async(&value, chat).await {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => approx_prompt_of(&value, chat, sh.block_size, sh.seed, false),
+            Err(e) => Err(e),
+        },
+        None => approx_prompt(&value, chat, sh.block_size, sh.seed),
+    };
+    match prompt {
+        Ok(prompt) => {
+            let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream };
+            serve_hot(&call, &prompt, t0, adm).await
+        }
+        Err(BadRequest(msg)) => adm.respond(error(400, &msg, "invalid_request_error", None)),
+    }
+}
+
+/// Every request but completions: the plane's own endpoints, and the admin API passed to its owner.
+async fn other(sh: &Arc<Shared>, req: Request<Incoming>) -> Response<PlaneBody> {
+    let path = req.uri().path();
+    if path == "/admin" || path.starts_with("/admin/") {
+        let admin = sh.admin_base.read().clone();
+        let Some(base) = admin else {
+            return error(403, "the admin API is disabled: start the gateway with --admin-token", "permission_denied", None);
+        };
+        let (parts, body) = req.into_parts();
+        return match read_body(sh, &parts.headers, body).await {
+            Ok(raw) => forward(sh, &base, parts, raw).await,
+            Err(reject) => reject.response(),
+        };
+    }
+    let get = req.method() == Method::GET;
+    match path {
+        "/v1/models" if get => models(sh, req.headers()).await,
+        "/health" if get => sh.health(),
+        "/metrics" if get => {
+            let mut r = Response::new(PlaneBody::full(Bytes::from(sh.metrics_text())));
+            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+            r
+        }
+        "/v1/models" | "/health" | "/metrics" => error(405, &format!("{path} takes GET"), "invalid_request_error", None),
+        _ => error(404, &format!("no such endpoint: {path}"), "not_found", None),
+    }
+}
+
+/// `/v1/models`: the first healthy worker's that serves requests (not a PD prefill), else the
+/// configured names, else 503.
+async fn models(sh: &Shared, headers: &HeaderMap) -> Response<PlaneBody> {
+    let mut workers: Vec<Arc<Worker>> =
+        sh.workers.read().values().filter(|w| w.role != Role::Prefill && w.healthy.load(Ordering::SeqCst)).cloned().collect();
+    workers.sort_by_key(|w| w.id);
+    for w in workers {
+        let mut b = Request::get(format!("{}/v1/models", w.url));
+        for name in FORWARD {
+            if let Some(v) = headers.get(name) {
+                b = b.header(name, v.clone());
             }
         }
+        let Ok(req) = b.body(Full::new(Bytes::new())) else { continue };
+        let got = tokio::time::timeout(sh.cfg.health_timeout, async {
+            let resp = sh.client.request(req).await.ok()?;
+            if resp.status() != StatusCode::OK {
+                return None;
+            }
+            resp.into_body().collect().await.ok().map(|c| c.to_bytes())
+        })
+        .await;
+        if let Ok(Some(body)) = got {
+            let mut r = Response::new(PlaneBody::full(body));
+            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            return r;
+        }
     }
-    // Not the plain case (or not this plane's mode): the Python gateway answers it, its 400s included.
-    let key = adm.client.clone();
-    forward(&sh, parts, raw, &key, Some(adm.forwarded())).await
+    if sh.cfg.models.is_empty() {
+        return error(503, "no worker answered /v1/models", "service_unavailable", None);
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let data: Vec<Value> =
+        sh.cfg.models.iter().map(|m| serde_json::json!({"id": m, "object": "model", "created": now, "owned_by": "kvroute"})).collect();
+    json_response(200, &serde_json::json!({"object": "list", "data": data}))
+}
+
+fn json_response(status: u16, body: &Value) -> Response<PlaneBody> {
+    let mut r = Response::new(PlaneBody::full(Bytes::from(body.to_string())));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
+    r
+}
+
+/// The TLS set-up for `https://` workers: the system's roots plus `ca_file`'s certificates.
+fn tls_config(ca_file: Option<&std::path::Path>) -> Result<rustls::ClientConfig, PlaneError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    // Unreadable system certificates only matter for https workers, which then fail to connect (and say why).
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _ = roots.add(cert);
+    }
+    if let Some(path) = ca_file {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| PlaneError::Tls(format!("cannot read {}: {e}", path.display())))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| PlaneError::Tls(format!("{}: {e}", path.display())))?;
+        if certs.is_empty() {
+            return Err(PlaneError::Tls(format!("{} holds no PEM certificate", path.display())));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|e| PlaneError::Tls(format!("{}: {e}", path.display())))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| PlaneError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(cfg)
 }
 
 fn client_key(sh: &Shared, headers: &HeaderMap, ip: &str) -> String {
@@ -565,8 +700,6 @@ struct Admission {
     sh: Arc<Shared>,
     client: String,
     endpoint: &'static str,
-    /// Hot-path requests are counted here; forwarded ones by the Python gateway.
-    counted: bool,
     /// Status class of the response, counted once its body was fully written.
     class: &'static str,
     completed: bool,
@@ -591,13 +724,7 @@ impl Admission {
         *clients.entry(client.clone()).or_insert(0) += 1;
         sh.in_flight.fetch_add(1, Ordering::SeqCst);
         drop(clients);
-        Ok(Admission { sh: sh.clone(), client, endpoint, counted: true, class: "5xx", completed: false })
-    }
-
-    fn forwarded(mut self) -> Admission {
-        self.counted = false;
-        self.sh.metrics.forwarded();
-        self
+        Ok(Admission { sh: sh.clone(), client, endpoint, class: "5xx", completed: false })
     }
 
     /// A response produced here: the slot is held until its body is written.
@@ -625,12 +752,10 @@ impl Drop for Admission {
             }
         }
         self.sh.in_flight.fetch_sub(1, Ordering::SeqCst);
-        if self.counted {
-            if self.completed {
-                self.sh.metrics.request(self.endpoint, self.class);
-            } else {
-                self.sh.metrics.disconnect(self.endpoint);
-            }
+        if self.completed {
+            self.sh.metrics.request(self.endpoint, self.class);
+        } else {
+            self.sh.metrics.disconnect(self.endpoint);
         }
     }
 }
@@ -679,6 +804,51 @@ impl Drop for Dispatch {
 impl Shared {
     fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
         self.workers.read().get(&id).cloned()
+    }
+
+    /// Every worker's row with what its engine last reported into `Router.observe` (none while
+    /// it is out of routing).
+    fn rows(&self) -> Vec<(WorkerRow, Option<kvroute_core::router::load::Observed>)> {
+        let mut ws: Vec<Arc<Worker>> = self.workers.read().values().cloned().collect();
+        ws.sort_by_key(|w| w.id);
+        ws.iter()
+            .map(|w| {
+                let row = WorkerRow {
+                    id: w.id,
+                    url: w.url.clone(),
+                    role: w.role,
+                    bootstrap_port: w.bootstrap_port,
+                    healthy: w.healthy.load(Ordering::SeqCst),
+                    in_flight: w.in_flight.load(Ordering::SeqCst),
+                    served: w.served.load(Ordering::SeqCst),
+                };
+                (row, self.router.load(w.id).ok().map(|l| l.observed))
+            })
+            .collect()
+    }
+
+    fn metrics_text(&self) -> String {
+        render_metrics(&self.metrics.snapshot(), &self.rows())
+    }
+
+    /// `/health`: 200 while a complete serving path is healthy (a unified worker, or a prefill and
+    /// a decode worker), else 503; the body lists every worker's state.
+    fn health(&self) -> Response<PlaneBody> {
+        let rows = self.rows();
+        let healthy = |role: Role| rows.iter().any(|(r, _)| r.healthy && r.role == role);
+        let ok = healthy(Role::Both) || (healthy(Role::Prefill) && healthy(Role::Decode));
+        let workers: Vec<Value> = rows
+            .iter()
+            .map(|(r, o)| {
+                serde_json::json!({
+                    "id": r.id, "url": r.url, "role": r.role.name(), "healthy": r.healthy, "in_flight": r.in_flight,
+                    "requests": r.served, "bootstrap_port": r.bootstrap_port,
+                    "observed_waiting": o.and_then(|o| o.waiting), "observed_running": o.and_then(|o| o.running),
+                    "observed_kv_usage": o.and_then(|o| o.kv_usage),
+                })
+            })
+            .collect();
+        json_response(if ok { 200 } else { 503 }, &serde_json::json!({"status": if ok { "ok" } else { "unavailable" }, "workers": workers}))
     }
 
     /// Takes a failed worker out of routing (once) and tells the owner, who probes it back.
@@ -915,28 +1085,22 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Passes one request to the Python gateway and its response back, byte for byte and streaming.
-async fn forward(sh: &Arc<Shared>, parts: http::request::Parts, raw: Bytes, client: &str, adm: Option<Admission>) -> Response<PlaneBody> {
+/// Passes an admin request to the owner's admin API and its answer back.
+async fn forward(sh: &Arc<Shared>, base: &str, parts: http::request::Parts, raw: Bytes) -> Response<PlaneBody> {
     let target = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    let mut b = Request::builder().method(parts.method).uri(format!("{}{}", sh.backend_base, target));
+    let mut b = Request::builder().method(parts.method).uri(format!("{base}{target}"));
     for (k, v) in &parts.headers {
         let name = k.as_str();
-        if !HOP_BY_HOP.contains(&name) && name != CLIENT_HEADER && name != "content-length" {
+        if !HOP_BY_HOP.contains(&name) && name != "content-length" {
             b = b.header(k, v);
         }
     }
-    if let Ok(v) = HeaderValue::from_str(client) {
-        b = b.header(CLIENT_HEADER, v);
-    }
     let req = match b.body(Full::new(raw)) {
         Ok(r) => r,
-        Err(e) => return respond_or(adm, error(400, &format!("cannot forward this request: {e}"), "invalid_request_error", None)),
+        Err(e) => return error(400, &format!("cannot pass on this request: {e}"), "invalid_request_error", None),
     };
     match sh.client.request(req).await {
-        Err(e) => {
-            let msg = format!("the gateway's Python backend is unavailable: {}", chain(&e));
-            respond_or(adm, error(502, &msg, "upstream_error", None))
-        }
+        Err(e) => error(502, &format!("the gateway's admin API is unavailable: {}", chain(&e)), "upstream_error", None),
         Ok(resp) => {
             let (mut p, body) = resp.into_parts();
             for h in HOP_BY_HOP {
@@ -944,21 +1108,8 @@ async fn forward(sh: &Arc<Shared>, parts: http::request::Parts, raw: Bytes, clie
             }
             let mut out = PlaneBody::full(Bytes::new());
             out.upstream = Some(body);
-            out.hold = adm.map(|a| Hold { adm: Some(a.with_outcome("forwarded")), ..Hold::default() });
             Response::from_parts(p, out)
         }
-    }
-}
-
-/// An answer of the data plane's own to a request meant for the Python gateway (which never saw
-/// it, so this plane counts it).
-fn respond_or(adm: Option<Admission>, resp: Response<PlaneBody>) -> Response<PlaneBody> {
-    match adm {
-        Some(mut a) => {
-            a.counted = true;
-            a.respond(resp)
-        }
-        None => resp,
     }
 }
 

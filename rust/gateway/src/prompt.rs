@@ -1,5 +1,5 @@
 //! Approximate-mode prompts from an OpenAI request body: the prompt text (or token ids) and its block
-//! hashes, derived exactly as `kvroute.gateway.prompt.ApproxPrompter` does, so both planes share one index.
+//! hashes, derived as `kvroute.prompt.ApproxPrompter` does, and the OpenAI-style 400s of invalid bodies.
 
 use serde_json::Value;
 
@@ -14,39 +14,56 @@ pub struct ApproxPrompt {
     pub output_tokens: Option<u64>,
 }
 
+/// The request body is not a valid OpenAI completions / chat request: the client gets a 400 with this message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+fn bad<T>(msg: impl Into<String>) -> Result<T, BadRequest> {
+    Err(BadRequest(msg.into()))
+}
+
 /// Every `BYTES_PER_TOKEN` bytes of UTF-8 prompt text count as one token (ApproxPrompter's default).
 pub const BYTES_PER_TOKEN: usize = 4;
 
-/// The approximate prompt of a parsed request body, or `None` when the body is anything but the plain
-/// case (invalid, or a form whose hashing needs Python's own rules, e.g. float-valued content parts):
-/// the caller then hands the request to the Python gateway, which answers it (or its 400) itself.
-pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> Option<ApproxPrompt> {
-    let body = body.as_object()?;
+/// The approximate prompt of a parsed request body, or the 400 an invalid body gets.
+pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> Result<ApproxPrompt, BadRequest> {
+    approx_prompt_of(body, chat, block_size, seed, true)
+}
+
+/// `approx_prompt`; `strict: false` (exact mode's fallback, for a body the exact prompter validated)
+/// keys message contents of any JSON type by their JSON text instead of refusing them.
+pub(crate) fn approx_prompt_of(body: &Value, chat: bool, block_size: usize, seed: u64, strict: bool) -> Result<ApproxPrompt, BadRequest> {
+    let body = object(body)?;
     let tokens = if chat {
         let msgs = valid_messages(body)?;
         let mut text = String::new();
         for m in msgs {
-            let m = m.as_object()?;
-            let role = m.get("role")?.as_str()?;
+            let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
             text.push_str("<|");
             text.push_str(role);
             text.push_str("|>");
-            message_text(m.get("content"), &mut text)?;
+            message_text(m.get("content"), &mut text, strict)?;
             text.push('\n');
         }
         text_tokens(text.as_bytes())
     } else {
-        match completion_prompt(body.get("prompt")?)? {
+        match completion_prompt(body)? {
             CompletionPrompt::Text(s) => text_tokens(s.as_bytes()),
             CompletionPrompt::Ids(ids) => ids,
         }
     };
     if tokens.is_empty() {
-        return None;
+        return bad("empty prompt");
     }
     let output_tokens = output_tokens(body)?;
     let hashes = kvroute_core::hash::sequence_hashes(&tokens, block_size, seed, None);
-    Some(ApproxPrompt { hashes, num_tokens: tokens.len() as u64, output_tokens })
+    Ok(ApproxPrompt { hashes, num_tokens: tokens.len() as u64, output_tokens })
+}
+
+/// The body as a JSON object (the 400 of any other JSON value).
+pub(crate) fn object(body: &Value) -> Result<&serde_json::Map<String, Value>, BadRequest> {
+    body.as_object().ok_or_else(|| BadRequest("request body must be a JSON object".into()))
 }
 
 /// A completions request's (first) prompt.
@@ -56,29 +73,33 @@ pub(crate) enum CompletionPrompt<'a> {
 }
 
 /// `_messages`: a non-empty list of objects, each with a string `role`.
-pub(crate) fn valid_messages(body: &serde_json::Map<String, Value>) -> Option<&Vec<Value>> {
-    let msgs = body.get("messages")?.as_array()?;
-    if msgs.is_empty() || !msgs.iter().all(|m| m.get("role").is_some_and(Value::is_string)) {
-        return None;
+pub(crate) fn valid_messages(body: &serde_json::Map<String, Value>) -> Result<&Vec<Value>, BadRequest> {
+    let msgs = match body.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        _ => return bad("chat request needs 'messages': a non-empty list of {role, content} objects"),
+    };
+    if let Some(i) = msgs.iter().position(|m| !m.get("role").is_some_and(Value::is_string)) {
+        return bad(format!("messages[{i}] must be an object with a string 'role'"));
     }
-    Some(msgs)
+    Ok(msgs)
 }
 
 /// `_completion_prompt`: a string, a list of token ids, or a list whose first item is one of those.
-pub(crate) fn completion_prompt(p: &Value) -> Option<CompletionPrompt<'_>> {
-    match p {
-        Value::String(s) => Some(CompletionPrompt::Text(s)),
-        Value::Array(items) if !items.is_empty() => {
+pub(crate) fn completion_prompt(body: &serde_json::Map<String, Value>) -> Result<CompletionPrompt<'_>, BadRequest> {
+    const NEEDS: &str = "completions request needs 'prompt': a string, a list of token ids, or a non-empty list of those";
+    match body.get("prompt") {
+        Some(Value::String(s)) => Ok(CompletionPrompt::Text(s)),
+        Some(Value::Array(items)) if !items.is_empty() => {
             if items.iter().all(is_int) {
                 return token_ids(items).map(CompletionPrompt::Ids);
             }
             match &items[0] {
-                Value::String(s) => Some(CompletionPrompt::Text(s)),
+                Value::String(s) => Ok(CompletionPrompt::Text(s)),
                 Value::Array(first) if !first.is_empty() && first.iter().all(is_int) => token_ids(first).map(CompletionPrompt::Ids),
-                _ => None,
+                _ => bad(NEEDS),
             }
         }
-        _ => None,
+        _ => bad(NEEDS),
     }
 }
 
@@ -86,52 +107,90 @@ fn is_int(v: &Value) -> bool {
     matches!(v, Value::Number(n) if n.is_i64() || n.is_u64())
 }
 
-/// Token ids in 0..2**32 (Python answers 400 outside it).
-fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
-    items.iter().map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+/// Token ids in 0..2**32.
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, BadRequest> {
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| BadRequest("token ids must be in 0..2**32".into()))
 }
 
-/// `_output_tokens`: the first of max_completion_tokens / max_tokens that is not null; `None` (the
-/// outer option) when it is not a non-negative integer the router accepts.
-pub(crate) fn output_tokens(body: &serde_json::Map<String, Value>) -> Option<Option<u64>> {
+/// `_output_tokens`: the first of max_completion_tokens / max_tokens that is not null, a
+/// non-negative integer the router accepts.
+pub(crate) fn output_tokens(body: &serde_json::Map<String, Value>) -> Result<Option<u64>, BadRequest> {
     for key in ["max_completion_tokens", "max_tokens"] {
         match body.get(key) {
             None | Some(Value::Null) => continue,
-            Some(Value::Number(n)) => return n.as_u64().filter(|&v| v <= i64::MAX as u64).map(Some),
-            Some(_) => return None,
+            Some(v) => {
+                return match v.as_u64().filter(|&n| n <= i64::MAX as u64) {
+                    Some(n) => Ok(Some(n)),
+                    None => bad(format!("{key} must be a non-negative integer, got {}", py_repr(v))),
+                }
+            }
         }
     }
-    Some(None)
+    Ok(None)
+}
+
+/// A JSON value as Python's `repr` of its `json.loads` result (for error messages).
+fn py_repr(v: &Value) -> String {
+    match v {
+        Value::Null => "None".into(),
+        Value::Bool(b) => (if *b { "True" } else { "False" }).into(),
+        Value::String(s) => format!("'{s}'"),
+        other => {
+            let mut out = String::new();
+            py_json_dumps(other, &mut out);
+            out
+        }
+    }
 }
 
 /// `_message_text`: string content as is, text parts' text, other parts as `json.dumps(p, sort_keys=True)`.
-fn message_text(content: Option<&Value>, out: &mut String) -> Option<()> {
+fn message_text(content: Option<&Value>, out: &mut String, strict: bool) -> Result<(), BadRequest> {
     match content {
-        None | Some(Value::Null) => Some(()),
-        Some(Value::String(s)) => {
-            out.push_str(s);
-            Some(())
-        }
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => out.push_str(s),
         Some(Value::Array(parts)) => {
             for p in parts {
                 match p.as_object() {
                     Some(o) if o.get("type").and_then(Value::as_str) == Some("text") => match o.get("text") {
                         None => {}
                         Some(Value::String(t)) => out.push_str(t),
-                        Some(_) => return None, // Python's join raises TypeError: its 400
+                        Some(other) if strict => {
+                            return bad(format!("a text content part's 'text' must be a string, got {}", type_name(other)))
+                        }
+                        Some(other) => py_json_dumps(other, out),
                     },
-                    _ => py_json_dumps(p, out)?,
+                    _ => py_json_dumps(p, out),
                 }
             }
-            Some(())
         }
-        Some(_) => None,
+        Some(other) if strict => {
+            return bad(format!("message content must be a string or a list of content parts, got {}", type_name(other)));
+        }
+        Some(other) => py_json_dumps(other, out),
+    }
+    Ok(())
+}
+
+/// Python's type name of a JSON value after `json.loads`.
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "NoneType",
+        Value::Bool(_) => "bool",
+        Value::Number(n) if n.is_f64() => "float",
+        Value::Number(_) => "int",
+        Value::String(_) => "str",
+        Value::Array(_) => "list",
+        Value::Object(_) => "dict",
     }
 }
 
 /// `json.dumps(v, sort_keys=True)` with Python's defaults (", " and ": " separators, ASCII-only
-/// output). Floats are left to Python (its repr is not reproduced here): `None`.
-pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
+/// output, floats as Python's `repr`).
+pub fn py_json_dumps(v: &Value, out: &mut String) {
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -141,7 +200,7 @@ pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
             } else if let Some(u) = n.as_u64() {
                 out.push_str(&u.to_string());
             } else {
-                return None;
+                out.push_str(&py_float_repr(n.as_f64().unwrap_or(f64::NAN)));
             }
         }
         Value::String(s) => py_json_str(s, out),
@@ -151,7 +210,7 @@ pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                py_json_dumps(item, out)?;
+                py_json_dumps(item, out);
             }
             out.push(']');
         }
@@ -166,12 +225,44 @@ pub fn py_json_dumps(v: &Value, out: &mut String) -> Option<()> {
                 }
                 py_json_str(k, out);
                 out.push_str(": ");
-                py_json_dumps(&map[k], out)?;
+                py_json_dumps(&map[k], out);
             }
             out.push('}');
         }
     }
-    Some(())
+}
+
+/// Python's `repr(float)`: the shortest round-trip digits, positional for exponents -4..16, else
+/// `d.ddde+XX` (JSON has no NaN or infinity, so those are not reached from a parsed body).
+pub fn py_float_repr(f: f64) -> String {
+    if !f.is_finite() {
+        return if f.is_nan() {
+            "NaN".into()
+        } else if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
+    }
+    let sci = format!("{f:e}"); // shortest round-trip digits: "-1.5e-7", "1e20", "0e0"
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (sign, mantissa) = mantissa.strip_prefix('-').map_or(("", mantissa), |m| ("-", m));
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    if (-4..16).contains(&exp) {
+        let point = exp + 1; // digits before the decimal point
+        let s = if point <= 0 {
+            format!("0.{}{}", "0".repeat((-point) as usize), digits)
+        } else if point as usize >= digits.len() {
+            format!("{}{}.0", digits, "0".repeat(point as usize - digits.len()))
+        } else {
+            format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
+        };
+        format!("{sign}{s}")
+    } else {
+        let m = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
+        format!("{sign}{m}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
+    }
 }
 
 pub(crate) fn py_json_str(s: &str, out: &mut String) {
@@ -228,18 +319,22 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn dumps(v: Value) -> Option<String> {
+    fn dumps(v: Value) -> String {
         let mut s = String::new();
-        py_json_dumps(&v, &mut s).map(|_| s)
+        py_json_dumps(&v, &mut s);
+        s
     }
 
     #[test]
     fn json_dumps_matches_python_defaults() {
         assert_eq!(
-            dumps(json!({"b": [1, -2, true, null], "a": "x\"y\\\n\u{7f}é😀"})).unwrap(),
+            dumps(json!({"b": [1, -2, true, null], "a": "x\"y\\\n\u{7f}é😀"})),
             r#"{"a": "x\"y\\\n\u007f\u00e9\ud83d\ude00", "b": [1, -2, true, null]}"#
         );
-        assert_eq!(dumps(json!({"f": 1.5})), None, "floats are left to Python");
+        assert_eq!(
+            dumps(json!({"f": 1.5, "g": [1e20, 1e-7, 0.1, 123456.0, -2.5e-5, 1e16, 1234567890123456.0]})),
+            r#"{"f": 1.5, "g": [1e+20, 1e-07, 0.1, 123456.0, -2.5e-05, 1e+16, 1234567890123456.0]}"#
+        );
     }
 
     #[test]
@@ -269,7 +364,7 @@ mod tests {
             json!({"max_tokens": 3}),
             json!([1, 2]),
         ] {
-            assert_eq!(approx_prompt(&bad, false, 2, 1), None, "{bad}");
+            assert!(approx_prompt(&bad, false, 2, 1).is_err(), "{bad}");
         }
         let first_null = approx_prompt(&json!({"prompt": "a", "max_completion_tokens": null, "max_tokens": 7}), false, 2, 1).unwrap();
         assert_eq!(first_null.output_tokens, Some(7));
@@ -288,7 +383,7 @@ mod tests {
             json!({"messages": [{"content": "x"}]}),
             json!({"messages": [{"role": "u", "content": 3}]}),
         ] {
-            assert_eq!(approx_prompt(&bad, true, 4, 9), None, "{bad}");
+            assert!(approx_prompt(&bad, true, 4, 9).is_err(), "{bad}");
         }
     }
 }

@@ -34,7 +34,7 @@ fn http(status: &str, content_type: &str, body: &str) -> String {
 }
 
 fn config(pd_convention: PdConvention) -> PlaneConfig {
-    common::config("127.0.0.1:9".parse().unwrap(), pd_convention) // nothing is forwarded in these tests
+    common::config(pd_convention)
 }
 
 const DECODED: &str = "data: {\"text\": \" one\"}\n\ndata: [DONE]\n\n";
@@ -88,7 +88,7 @@ fn vllm_prefill_then_decode_with_failover_on_the_prefill_side() {
         PdConvention::Vllm,
         &[(0, Role::Prefill, refused, None), (1, Role::Prefill, prefill.addr, None), (2, Role::Decode, decode.addr, None)],
     );
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
     let body = format!(
         r#"{{"prompt": "{}", "stream": true, "stream_options": {{"include_usage": true}}, "max_tokens": 7, "temperature": 0.10000000000000001, "seed": 123456789012345678901234567890}}"#,
         "abcd".repeat(300)
@@ -120,7 +120,7 @@ fn vllm_prefill_then_decode_with_failover_on_the_prefill_side() {
     assert_eq!(router.workers(), vec![1, 2], "the refusing prefill worker is out of routing");
     assert_eq!(router.num_in_flight(), 0, "prefill and decode load released");
     let m = dp.metrics();
-    assert_eq!((m.retries, m.forwarded, completions_2xx(&dp)), (1, 0, 1));
+    assert_eq!((m.retries, completions_2xx(&dp)), (1, 1));
     assert!(dp.workers().iter().all(|w| w.in_flight == 0));
     assert_eq!(dp.in_flight(), 0);
     dp.stop();
@@ -159,7 +159,7 @@ fn sglang_bootstrap_to_both_retries_a_failed_prefill_with_a_new_room() {
         PdConvention::Sglang,
         &[(0, Role::Prefill, bad.addr, Some(9001)), (1, Role::Prefill, good.addr, Some(9002)), (2, Role::Decode, decode.addr, None)],
     );
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
     let body = format!(r#"{{"prompt": "{}", "stream": true, "max_tokens": 3}}"#, "wxyz".repeat(300));
     pin(&router, 0, &body);
 
@@ -192,7 +192,7 @@ fn sglang_bootstrap_to_both_retries_a_failed_prefill_with_a_new_room() {
     let marked = marked.lock().unwrap().clone();
     assert!(marked.len() == 1 && marked[0].0 == 0 && marked[0].1.contains("HTTP 500"), "{marked:?}");
     assert_eq!(router.num_in_flight(), 0);
-    assert_eq!((dp.metrics().retries, dp.metrics().forwarded, completions_2xx(&dp)), (1, 0, 1));
+    assert_eq!((dp.metrics().retries, completions_2xx(&dp)), (1, 1));
     dp.stop();
 }
 
@@ -202,7 +202,7 @@ fn client_leaving_cancels_both_sglang_requests_and_releases_load() {
     let decode = fake(|_| None);
     let (router, dp, _) =
         plane(PdConvention::Sglang, &[(0, Role::Prefill, prefill.addr, Some(8998)), (1, Role::Decode, decode.addr, None)]);
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
     let body = r#"{"prompt": "held on both sides", "stream": true}"#;
     let mut s = TcpStream::connect(addr).unwrap();
     write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();

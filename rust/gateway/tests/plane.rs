@@ -1,5 +1,6 @@
 //! The data plane end to end on loopback, without Python: a refusing worker is retried on the next
-//! one, the answer is relayed byte for byte, the load is released, forwarding reaches the backend.
+//! one, the answer is relayed byte for byte, the load is released, invalid bodies get 400, the
+//! plane's own endpoints answer, admin requests reach the admin API, https workers are served.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -29,8 +30,8 @@ fn request(addr: SocketAddr, head: &str, body: &str) -> String {
     out
 }
 
-fn config(backend: SocketAddr) -> PlaneConfig {
-    common::config(backend, PdConvention::Vllm)
+fn config() -> PlaneConfig {
+    common::config(PdConvention::Vllm)
 }
 
 const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 23\r\n\r\ndata: one\n\ndata: [DONE]";
@@ -38,7 +39,7 @@ const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent
 #[test]
 fn refused_worker_is_retried_marked_and_load_released() {
     let (good, seen) = fake_server(SSE);
-    let (backend, forwarded) = fake_server("HTTP/1.1 204 No Content\r\nX-From: python\r\n\r\n");
+    let (admin, forwarded) = fake_server("HTTP/1.1 204 No Content\r\nX-From: python\r\n\r\n");
     let refused = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed again: refuses
     let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
     router.add_worker(0, WorkerSpec::default()).unwrap();
@@ -49,10 +50,10 @@ fn refused_worker_is_retried_marked_and_load_released() {
         assert!(reason.contains("connection failed"), "{reason}");
         m2.fetch_add(1 + w as usize * 10, Ordering::SeqCst);
     });
-    let dp = DataPlane::new(router.clone(), config(backend), Some(hook)).unwrap();
+    let dp = DataPlane::new(router.clone(), config(), Some(hook)).unwrap();
     dp.add_worker(0, &format!("http://{refused}"), Role::Both, None).unwrap();
     dp.add_worker(1, &format!("http://{good}/"), Role::Both, None).unwrap();
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), Some(admin)).unwrap();
     // The prompt is "cached" on the refusing worker, so it is the first choice.
     let body = format!(r#"{{"prompt": "{}", "stream": true, "max_tokens": 2}}"#, "abcd".repeat(300));
     let hashes = kvroute_gateway::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
@@ -74,14 +75,23 @@ fn refused_worker_is_retried_marked_and_load_released() {
     assert_eq!(dp.in_flight(), 0);
     assert!(!dp.approx().unwrap().is_empty());
 
-    // Not the hot path: forwarded byte for byte to the backend, with the client's identity.
-    let resp = request(addr, "GET /health HTTP/1.1", "");
+    // Invalid bodies: the plane's own 400s, nothing sent upstream.
+    for (body, needle) in [("{not json", "not valid JSON"), ("[1]", "JSON object"), (r#"{"prompt": ""}"#, "empty prompt")] {
+        let bad = request(addr, "POST /v1/completions HTTP/1.1", body);
+        assert!(bad.starts_with("HTTP/1.1 400") && bad.contains(needle), "{bad}");
+    }
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    // The plane's own endpoints.
+    let health = request(addr, "GET /health HTTP/1.1", "");
+    assert!(health.starts_with("HTTP/1.1 200") && health.contains(r#""status":"ok""#), "{health}");
+    let metrics = request(addr, "GET /metrics HTTP/1.1", "");
+    assert!(metrics.contains("kvroute_retries_total 1\n") && metrics.contains(r#"status="4xx"} 3"#), "{metrics}");
+    assert!(request(addr, "GET /nowhere HTTP/1.1", "").starts_with("HTTP/1.1 404"));
+    // Admin requests: passed to the admin API byte for byte, headers included.
+    let resp = request(addr, "DELETE /admin/workers/1 HTTP/1.1\r\nAuthorization: Bearer t", "");
     assert!(resp.starts_with("HTTP/1.1 204") && resp.contains("X-From: python"), "{resp}");
-    let bad = request(addr, "POST /v1/completions HTTP/1.1", "{not json");
-    assert!(bad.starts_with("HTTP/1.1 204"), "invalid bodies are the Python gateway's to answer: {bad}");
     let heads: Vec<String> = forwarded.lock().unwrap().iter().map(|(h, _)| h.to_ascii_lowercase()).collect();
-    assert!(heads[0].starts_with("get /health") && heads[0].contains("x-kvroute-client: ip:127.0.0.1"), "{heads:?}");
-    assert_eq!(forwarded.lock().unwrap()[1].1, b"{not json");
+    assert!(heads[0].starts_with("delete /admin/workers/1") && heads[0].contains("authorization: bearer t"), "{heads:?}");
 
     // A declared length over the limit is answered before any of the body is read.
     let mut s = TcpStream::connect(addr).unwrap();
@@ -121,9 +131,9 @@ fn a_stream_read_to_done_is_a_2xx_even_when_the_client_closes_before_its_end() {
     });
     let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
     router.add_worker(0, WorkerSpec::default()).unwrap();
-    let dp = DataPlane::new(router.clone(), config(fake.addr), None).unwrap();
+    let dp = DataPlane::new(router.clone(), config(), None).unwrap();
     dp.add_worker(0, &format!("http://{}", fake.addr), Role::Both, None).unwrap();
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
     let count = |class: &str| dp.metrics().requests.get(&("/v1/chat/completions".to_string(), class.to_string())).copied().unwrap_or(0);
     for (prompt, marker) in [("finished", "[DONE]"), ("unfinished", "data: one")] {
         let body = format!(r#"{{"messages": [{{"role": "user", "content": "{prompt}"}}], "stream": true}}"#);
@@ -157,10 +167,10 @@ fn requests_on_a_worker_marked_unhealthy_end_at_once() {
     let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
     router.add_worker(0, WorkerSpec::default()).unwrap();
     router.add_worker(1, WorkerSpec::default()).unwrap();
-    let dp = Arc::new(DataPlane::new(router.clone(), config(silent.addr), None).unwrap());
+    let dp = Arc::new(DataPlane::new(router.clone(), config(), None).unwrap());
     dp.add_worker(0, &format!("http://{}", silent.addr), Role::Both, None).unwrap();
     dp.add_worker(1, &format!("http://{good}"), Role::Both, None).unwrap();
-    let addr = dp.start().unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
     let pin = |body: &str| {
         let hashes = kvroute_gateway::approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
         router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();

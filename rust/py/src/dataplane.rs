@@ -1,12 +1,13 @@
-//! `kvroute._core.DataPlane`: the gateway's Rust front door (kvroute-gateway) around the same Router
-//! object the Python gateway uses, plus `approx_prompt` for checking both planes hash alike.
+//! `kvroute._core.DataPlane`: the gateway's request path (kvroute-gateway) on a Router object, driven
+//! by the Python control plane (`kvroute.gateway`), plus `approx_prompt` (the plane's approximate prompt).
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use kvroute_core::router::Role;
 use kvroute_gateway::{
-    approx_prompt as rust_approx_prompt, ApproxPrompt, DataPlane, ExactError, PdConvention, PlaneConfig, PlaneError, ROUTING_BUCKETS,
+    approx_prompt as rust_approx_prompt, ApproxPrompt, BadRequest, DataPlane, ExactError, PdConvention, PlaneConfig, PlaneError,
+    ROUTING_BUCKETS,
 };
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyRuntimeError, PyValueError};
@@ -20,7 +21,7 @@ fn to_py(e: PlaneError) -> PyErr {
     match e {
         PlaneError::Bind { .. } | PlaneError::Runtime(_) => PyOSError::new_err(e.to_string()),
         PlaneError::Exact(ExactError::NotFound(_)) => PyFileNotFoundError::new_err(e.to_string()),
-        PlaneError::Config(_) | PlaneError::WorkerUrl(_) | PlaneError::DuplicateWorker(_) | PlaneError::Exact(_) => {
+        PlaneError::Config(_) | PlaneError::WorkerUrl(_) | PlaneError::DuplicateWorker(_) | PlaneError::Exact(_) | PlaneError::Tls(_) => {
             PyValueError::new_err(e.to_string())
         }
     }
@@ -42,14 +43,14 @@ fn seconds(v: f64, what: &str) -> PyResult<Duration> {
     }
 }
 
-/// The gateway's data plane: an HTTP/1.1 server in Rust that serves completions itself (tokenize or
-/// hash, route on `router`, relay with load accounting and retries; unified workers and PD pairs in
-/// `pd_convention`; exact mode with `tokenizer`, a tokenizer.json or its directory, else approximate
-/// mode) and forwards every other request, byte for byte, to the Python gateway at
-/// `backend_host:backend_port`.
+/// The gateway's data plane: an HTTP/1.1 server in Rust that serves every client request (completions:
+/// tokenize or hash, route on `router`, relay with load accounting and retries; unified workers and PD
+/// pairs in `pd_convention`; exact mode with `tokenizer`, a tokenizer.json or its directory, else
+/// approximate mode; `/v1/models`, `/health`, `/metrics`) and passes `/admin` requests to the
+/// admin API given to `start`.
 ///
-/// Register the workers (same ids as in `router`) before `start()`; `on_unhealthy(worker_id, reason)`
-/// is called from the data plane's thread when it takes a failing worker out of routing.
+/// Register the workers (same ids as in `router`); `on_unhealthy(worker_id, reason)` is called (from
+/// the data plane's thread, or the caller's for `mark_unhealthy`) when a worker is taken out of routing.
 #[pyclass(frozen, module = "kvroute._core", name = "DataPlane")]
 pub struct PyDataPlane {
     inner: DataPlane,
@@ -59,20 +60,15 @@ pub struct PyDataPlane {
 impl PyDataPlane {
     #[new]
     #[pyo3(signature = (
-        router, *, backend_port, backend_host = "127.0.0.1", host = "127.0.0.1", port = 0, hot_path = true, pd_convention = "vllm",
+        router, *, pd_convention = "vllm",
         max_body_bytes = 33554432, max_client_concurrency = 256, max_in_flight = 10000, client_key_header = None,
         max_retries = 2, connect_timeout = 5.0, read_timeout = 600.0, client_timeout = 30.0, approx_ttl = Some(120.0), threads = 1, on_unhealthy = None,
-        tokenizer = None
+        tokenizer = None, models = Vec::new(), health_timeout = 2.0, ca_file = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         router: &Bound<'_, PyRouter>,
-        backend_port: u16,
-        backend_host: &str,
-        host: &str,
-        port: u16,
-        hot_path: bool,
         pd_convention: &str,
         max_body_bytes: usize,
         max_client_concurrency: usize,
@@ -86,6 +82,9 @@ impl PyDataPlane {
         threads: usize,
         on_unhealthy: Option<Py<PyAny>>,
         tokenizer: Option<std::path::PathBuf>,
+        models: Vec<String>,
+        health_timeout: f64,
+        ca_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         if threads == 0 || threads > 64 {
             return Err(PyValueError::new_err(format!("threads must be in 1..=64, got {threads}")));
@@ -93,9 +92,6 @@ impl PyDataPlane {
         let pd_convention = PdConvention::from_name(pd_convention)
             .ok_or_else(|| PyValueError::new_err(format!("pd_convention must be 'vllm' or 'sglang', got {pd_convention:?}")))?;
         let cfg = PlaneConfig {
-            listen: addr(host, port, "host")?,
-            backend: addr(backend_host, backend_port, "backend")?,
-            hot_path,
             pd_convention,
             tokenizer,
             max_body_bytes,
@@ -108,6 +104,9 @@ impl PyDataPlane {
             client_timeout: seconds(client_timeout, "client_timeout")?,
             approx_ttl: approx_ttl.map(|t| seconds(t, "approx_ttl")).transpose()?,
             threads,
+            models,
+            health_timeout: seconds(health_timeout, "health_timeout")?,
+            ca_file,
         };
         let hook = on_unhealthy.map(|cb| {
             Box::new(move |worker: u64, reason: &str| {
@@ -124,9 +123,13 @@ impl PyDataPlane {
         Ok(PyDataPlane { inner })
     }
 
-    /// Binds and starts serving; returns the bound (host, port). OSError when the address is taken.
-    fn start<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let a = py.detach(|| self.inner.start()).map_err(to_py)?;
+    /// Binds host:port and starts serving; returns the bound (host, port). OSError when the address
+    /// is taken. `/admin` requests go to 127.0.0.1:`admin_port` (the admin API), else get 403.
+    #[pyo3(signature = (host = "127.0.0.1", port = 0, *, admin_port = None))]
+    fn start<'py>(&self, py: Python<'py>, host: &str, port: u16, admin_port: Option<u16>) -> PyResult<Bound<'py, PyTuple>> {
+        let listen = addr(host, port, "host")?;
+        let admin = admin_port.map(|p| addr("127.0.0.1", p, "admin_port")).transpose()?;
+        let a = py.detach(|| self.inner.start(listen, admin)).map_err(to_py)?;
         PyTuple::new(py, [a.ip().to_string().into_pyobject(py)?.into_any(), a.port().into_pyobject(py)?.into_any()])
     }
 
@@ -166,12 +169,26 @@ impl PyDataPlane {
         Ok(self.inner.remove_worker(extract_u64(worker, "worker")?))
     }
 
-    /// Tells the data plane a worker's health (the Python gateway marked it down or probed it back).
+    /// Routes to a worker again (its health probe answered) or stops routing to it; the Router's
+    /// worker table is the caller's (re-register it there when it is healthy again).
     fn set_healthy(&self, worker: &Bound<'_, PyAny>, healthy: bool) -> PyResult<bool> {
         Ok(self.inner.set_healthy(extract_u64(worker, "worker")?, healthy))
     }
 
-    /// Per worker: id, url, role, healthy, in_flight, requests (dispatched by this plane).
+    /// Takes a worker out of routing as a failed dispatch does (removed from the Router, its
+    /// approximate blocks dropped, its streams ended, `on_unhealthy` called); returns whether it
+    /// was healthy.
+    fn mark_unhealthy(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, reason: &str) -> PyResult<bool> {
+        let w = extract_u64(worker, "worker")?;
+        Ok(py.detach(|| self.inner.mark_unhealthy(w, reason)))
+    }
+
+    /// The Prometheus text `/metrics` serves.
+    fn metrics_text(&self, py: Python<'_>) -> String {
+        py.detach(|| self.inner.metrics_text())
+    }
+
+    /// Per worker: id, url, role, bootstrap_port, healthy, in_flight, requests (dispatched).
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for r in self.inner.workers() {
@@ -179,6 +196,7 @@ impl PyDataPlane {
             d.set_item("id", r.id)?;
             d.set_item("url", r.url)?;
             d.set_item("role", r.role.name())?;
+            d.set_item("bootstrap_port", r.bootstrap_port)?;
             d.set_item("healthy", r.healthy)?;
             d.set_item("in_flight", r.in_flight)?;
             d.set_item("requests", r.served)?;
@@ -187,7 +205,7 @@ impl PyDataPlane {
         Ok(out)
     }
 
-    /// Completions requests holding an admission slot (hot and forwarded).
+    /// Completions requests holding an admission slot.
     #[getter]
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
@@ -199,7 +217,7 @@ impl PyDataPlane {
         self.inner.active_clients()
     }
 
-    /// The counters, shaped like the Python gateway's GatewayMetrics (see kvroute.gateway.metrics).
+    /// The counters `/metrics` renders, as a dict.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.inner.metrics();
         let d = PyDict::new(py);
@@ -218,12 +236,10 @@ impl PyDataPlane {
         d.set_item("routing_counts", m.routing_counts)?;
         d.set_item("routing_sum", m.routing_sum)?;
         d.set_item("routing_count", m.routing_count)?;
-        d.set_item("forwarded", m.forwarded)?;
         Ok(d)
     }
 
-    /// Approximate mode's cache: stores `hashes` for `worker` now, under the data plane's TTL (the
-    /// Python gateway's own decisions go through here too, so one place expires them).
+    /// Approximate mode's cache: stores `hashes` for `worker` now, under the data plane's TTL.
     fn approx_insert(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, hashes: &Bound<'_, PyAny>) -> PyResult<()> {
         let w = extract_u64(worker, "worker")?;
         let hs = extract_hashes(hashes)?;
@@ -270,40 +286,50 @@ impl PyDataPlane {
         self.inner.exact().is_some()
     }
 
-    /// Exact mode: why chat requests are forwarded to Python (minijinja cannot compile the chat
-    /// template jinja2 accepted), else None.
+    /// Exact mode: why chat requests route on approximate hashes (minijinja cannot compile the chat
+    /// template), else None.
     #[getter]
     fn template_unsupported(&self) -> Option<String> {
         self.inner.exact().and_then(|e| e.template_unsupported()).map(str::to_string)
     }
 
-    /// The prompt the hot path routes a raw request body on: (sequence hashes, num_tokens,
-    /// output_tokens), or None when the plane forwards that body to the Python gateway.
-    fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
-        let p = py.detach(|| self.inner.prompt(&value, chat));
-        p.map(|p| prompt_tuple(py, p)).transpose()
+    /// The prompt the plane routes a raw request body on: (sequence hashes, num_tokens,
+    /// output_tokens); ValueError with the client's 400 message for an invalid body.
+    fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Bound<'py, PyTuple>> {
+        let value = parse(body)?;
+        let p = py.detach(|| self.inner.prompt(&value, chat)).map_err(bad_request)?;
+        prompt_tuple(py, p)
     }
 
     /// Exact mode: the token ids of a raw request body (the rendered chat template encoded, the
-    /// completions text encoded with special tokens, or the prompt's own ids), or None (forwarded).
+    /// completions text encoded with special tokens, or the prompt's own ids), or None when they
+    /// cannot be derived exactly (the plane then routes on approximate hashes); ValueError when invalid.
     fn exact_tokens<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Option<Bound<'py, PyArray1<u32>>>> {
         let exact = self.inner.exact().ok_or_else(|| PyRuntimeError::new_err("this data plane is not in exact mode (tokenizer=None)"))?;
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
-        Ok(py.detach(|| exact.token_ids(&value, chat)).map(|ids| ids.into_pyarray(py)))
+        let value = parse(body)?;
+        Ok(py.detach(|| exact.token_ids(&value, chat)).map_err(bad_request)?.map(|ids| ids.into_pyarray(py)))
     }
 
-    /// Exact mode: the chat template rendered for a raw request body, or None (forwarded).
+    /// Exact mode: the chat template rendered for a raw request body, or None when it cannot be
+    /// rendered exactly; ValueError when invalid.
     fn render_chat(&self, py: Python<'_>, body: &[u8]) -> PyResult<Option<String>> {
         let exact = self.inner.exact().ok_or_else(|| PyRuntimeError::new_err("this data plane is not in exact mode (tokenizer=None)"))?;
-        let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
-        Ok(py.detach(|| exact.render_chat(&value)))
+        let value = parse(body)?;
+        py.detach(|| exact.render_chat(&value)).map_err(bad_request)
     }
 
     fn __repr__(&self) -> String {
         let url = self.url().unwrap_or_else(|| "not started".into());
         format!("DataPlane({url}, workers={}, running={})", self.inner.workers().len(), self.inner.is_running())
     }
+}
+
+fn bad_request(e: BadRequest) -> PyErr {
+    PyValueError::new_err(e.0)
+}
+
+fn parse(body: &[u8]) -> PyResult<serde_json::Value> {
+    serde_json::from_slice(body).map_err(|e| PyValueError::new_err(format!("request body is not valid JSON: {e}")))
 }
 
 impl PyDataPlane {
@@ -313,14 +339,14 @@ impl PyDataPlane {
 }
 
 /// The data plane's approximate prompt of a raw request body: (sequence hashes, num_tokens,
-/// output_tokens), or None when it hands the body to the Python gateway instead.
+/// output_tokens); ValueError with the client's 400 message for an invalid body.
 #[pyfunction]
 #[pyo3(signature = (body, chat, block_size = 64, *, seed = 1337))]
-fn approx_prompt<'py>(py: Python<'py>, body: &[u8], chat: bool, block_size: i64, seed: u64) -> PyResult<Option<Bound<'py, PyTuple>>> {
+fn approx_prompt<'py>(py: Python<'py>, body: &[u8], chat: bool, block_size: i64, seed: u64) -> PyResult<Bound<'py, PyTuple>> {
     let bs = check_block_size(block_size)?;
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(None) };
-    let Some(p) = py.detach(|| rust_approx_prompt(&value, chat, bs, seed)) else { return Ok(None) };
-    prompt_tuple(py, p).map(Some)
+    let value = parse(body)?;
+    let p = py.detach(|| rust_approx_prompt(&value, chat, bs, seed)).map_err(bad_request)?;
+    prompt_tuple(py, p)
 }
 
 fn prompt_tuple(py: Python<'_>, p: ApproxPrompt) -> PyResult<Bound<'_, PyTuple>> {

@@ -96,12 +96,14 @@ pub fn poll(what: &str, pred: impl Fn() -> bool) {
     }
 }
 
+/// The loopback address with an ephemeral port, to listen on.
+pub fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
 /// Small limits and short timeouts, approximate prompts.
-pub fn config(backend: SocketAddr, pd_convention: PdConvention) -> PlaneConfig {
+pub fn config(pd_convention: PdConvention) -> PlaneConfig {
     PlaneConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        backend,
-        hot_path: true,
         pd_convention,
         max_body_bytes: 1 << 20,
         max_client_concurrency: 8,
@@ -114,5 +116,8 @@ pub fn config(backend: SocketAddr, pd_convention: PdConvention) -> PlaneConfig {
         approx_ttl: Some(Duration::from_secs(60)),
         threads: 1,
         tokenizer: None,
+        models: Vec::new(),
+        health_timeout: Duration::from_secs(2),
+        ca_file: None,
     }
 }
