@@ -65,7 +65,7 @@ def _body(messages: Any, input: Any, request_kwargs: Mapping[str, Any]) -> tuple
     return {**out, "prompt": prompt}, False
 
 
-class KvrouteCallback(CustomLogger):  # type: ignore[misc]
+class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
     """The routing logic, its lease bookkeeping and LiteLLM's outcome events, in one callback.
 
     ``pick`` chooses one of ``healthy`` deployments. The outcome events release the lease of the
@@ -184,7 +184,7 @@ class KvrouteProxyHandler(KvrouteCallback):
 
 
 
-class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc]
+class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ignore]
     """A ``litellm.Router`` routing strategy: ``router.register_plugin(KvrouteStrategy(router, ...))``.
 
     It adds its ``KvrouteCallback`` to ``litellm.callbacks`` (the outcome events) unless already there.
