@@ -27,6 +27,7 @@ class ChatEngine:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -49,6 +50,9 @@ class ChatEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text=f'vllm:num_requests_running{{engine="0"}} {float(self.in_flight)}\nvllm:num_requests_waiting{{engine="0"}} 0.0\n')

@@ -228,3 +228,39 @@ def test_ticket_rides_in_metadata() -> None:
             assert s.er.leases.counts["failed"] == 1 and len(s.er.leases) == 1
 
     run(body)
+
+
+def test_sync_completion_path() -> None:
+    async def start() -> list[ChatEngine]:
+        return await _engines(2)
+
+    loop = asyncio.new_event_loop()
+    import threading
+
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    ws = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    saved = list(litellm.callbacks)
+    er = EngineRouter(block_size=16)
+    try:
+        router = litellm.Router(model_list=_model_list(ws), num_retries=0)
+        router.register_plugin(KvrouteStrategy(router, er))
+        served = []
+        for turn in range(3):
+            before = [w.completed for w in ws]
+            r = router.completion(model="m", messages=_conversation(4, turn), max_tokens=4)
+            assert r.choices[0].message.content
+            served += [w.name for w, b in zip(ws, before) if w.completed > b]
+        assert len(set(served)) == 1, served
+        for _ in range(500):
+            if len(er.leases) == 0:
+                break
+            threading.Event().wait(0.01)
+        assert er.leases.counts["opened"] == 3 and len(er.leases) == 0, er.leases.counts
+    finally:
+        litellm.callbacks[:] = saved
+        er.close()
+        for w in ws:
+            asyncio.run_coroutine_threadsafe(w.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)

@@ -207,6 +207,17 @@ class EngineReplica:
     def record_replica_metadata(self) -> dict[str, str]:
         return dict(self.engine)
 
+    async def check_health(self) -> None:
+        """Serve's health check: the engine's /health must answer 200, else Serve replaces this
+        replica and the routers drop it (``update_replicas``)."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.url} /health answered {r.status}")
+
     async def _post(self, req: OpenAIRequest) -> Any:
         import aiohttp
 
