@@ -35,7 +35,9 @@ from bench_real_engines import MAX_TOKENS, Conversation, Result, counters, drive
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
 
 
-def summarise(integration: str, policy: str, routers: int, engines: Sequence[Engine], res: Result, before: Any, after: Any) -> dict[str, Any]:
+def summarise(
+    integration: str, policy: str, routers: int, engines: Sequence[Engine], res: Result, before: Any, after: Any
+) -> dict[str, Any]:
     q = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"] for a, b in zip(after, before))
     h = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before))
     tokens = {e.name: int(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"]) for e, a, b in zip(engines, after, before)}
@@ -72,9 +74,7 @@ async def drive_litellm(router: Any, convs: list[Conversation], clients: int, re
         t0 = time.perf_counter()
         first = None
         try:
-            stream = await router.acompletion(
-                model="tiny", messages=conv.messages(turn), max_tokens=MAX_TOKENS, temperature=0, stream=True
-            )
+            stream = await router.acompletion(model="tiny", messages=conv.messages(turn), max_tokens=MAX_TOKENS, temperature=0, stream=True)
             finish = None
             async for chunk in stream:
                 if first is None and chunk.choices:
@@ -162,7 +162,9 @@ def run_ray(engines: list[Engine], convs: list[Conversation], clients: int, poli
         for policy, ingresses in runs:
             reset(engines)
             cls = RAY_POLICIES[policy]
-            kwargs = {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5} if policy == "kvroute" else {}
+            kwargs = (
+                {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5} if policy == "kvroute" else {}
+            )
             serve.run(
                 build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
                 name="bench",
@@ -182,7 +184,9 @@ def run_ray(engines: list[Engine], convs: list[Conversation], clients: int, poli
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'integration':<12}{'policy':<28}{'routers':>8}{'hit %':>8}{'TTFT p50':>10}{'p99 ms':>9}{'errors':>8}{'max/mean':>10}  prompt tokens")
+    print(
+        f"{'integration':<12}{'policy':<28}{'routers':>8}{'hit %':>8}{'TTFT p50':>10}{'p99 ms':>9}{'errors':>8}{'max/mean':>10}  prompt tokens"
+    )
     for r in rows:
         pt = " / ".join(str(v) for v in r["prompt_tokens"].values())
         print(

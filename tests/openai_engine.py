@@ -55,7 +55,9 @@ class ChatEngine:
         return web.Response(text="ok")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text=f'vllm:num_requests_running{{engine="0"}} {float(self.in_flight)}\nvllm:num_requests_waiting{{engine="0"}} 0.0\n')
+        return web.Response(
+            text=f'vllm:num_requests_running{{engine="0"}} {float(self.in_flight)}\nvllm:num_requests_waiting{{engine="0"}} 0.0\n'
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
@@ -81,7 +83,9 @@ class ChatEngine:
                     await asyncio.sleep(self.token_delay)
                 last = i == len(words) - 1
                 choice = {"index": 0, "delta": {"content": w}, "finish_reason": "length" if last else None}
-                await resp.write(b"data: " + json.dumps({**base, "object": "chat.completion.chunk", "choices": [choice]}).encode() + b"\n\n")
+                await resp.write(
+                    b"data: " + json.dumps({**base, "object": "chat.completion.chunk", "choices": [choice]}).encode() + b"\n\n"
+                )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             self.completed += 1

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from kvroute.engines import EngineRouter
-from openai_engine import ChatEngine
 from kvroute.integrations.litellm import LEASES_KEY, KvrouteProxyHandler, KvrouteStrategy
+from openai_engine import ChatEngine
 
 
 class Clock:

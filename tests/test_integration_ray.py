@@ -55,7 +55,9 @@ class Cluster:
 
     def post(self, body: dict[str, Any]) -> tuple[str, bytes]:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.headers["x-kvroute-ingress"], r.read()

@@ -40,7 +40,9 @@ class App:
     def chat(self, msgs: list[dict[str, str]], stream: bool) -> tuple[str, bytes]:
         body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": stream}
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.headers["x-kvroute-ingress"], r.read()

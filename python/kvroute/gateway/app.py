@@ -25,8 +25,8 @@ from aiohttp import web
 
 from kvroute._core import KvrouteError, NoWorkersError, Router, UnknownWorkerError
 from kvroute.gateway.metrics import GatewayMetrics, parse_engine_metrics
-from kvroute.prompt import ApproxCache, BadRequest, ExactPrompter, Prompter, load_prompter
 from kvroute.gateway.upstream import UpstreamPool, UpstreamResponse
+from kvroute.prompt import ApproxCache, BadRequest, ExactPrompter, Prompter, load_prompter
 
 __all__ = ["GATEWAY_KEY", "Gateway", "GatewayConfig", "WorkerConfig", "create_app", "gateway_app", "make_gateway"]
 

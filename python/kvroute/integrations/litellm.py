@@ -31,7 +31,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("kvroute.integrations.litellm needs litellm: pip install 'kvroute[litellm]'") from exc
 
-__all__ = ["KvrouteCallback", "KvrouteProxyHandler", "KvrouteStrategy", "proxy_handler"]
+__all__ = ["KvrouteCallback", "KvrouteProxyHandler", "KvrouteStrategy"]  # and `proxy_handler`, built on first access
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
             return
         info = params.get("model_info") or {}
         did = info.get("id") if isinstance(info, Mapping) else None
-        ticket = held.get(did) if did is not None else None
-        if ticket is None:
+        ticket = held.get(did) if isinstance(did, str) else None
+        if ticket is None or not isinstance(did, str):
             return
         if success:
             self.engines.leases.finish(ticket)
@@ -181,7 +181,6 @@ class KvrouteProxyHandler(KvrouteCallback):
         if not healthy_deployments:
             return healthy_deployments
         return [self.pick(model, healthy_deployments, messages, None, request_kwargs if request_kwargs is not None else {})]
-
 
 
 class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ignore]

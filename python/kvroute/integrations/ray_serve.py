@@ -113,7 +113,7 @@ class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
     # ---- replicas --------------------------------------------------------------------------
 
     def _register(self, replica: RunningReplica) -> str | None:
-        key = replica.replica_id.to_full_id_str()
+        key = str(replica.replica_id.to_full_id_str())
         if self.engines.get(key) is not None:
             return key
         md = replica.replica_metadata or {}
@@ -199,7 +199,7 @@ class EngineReplica:
         if not engines or not all(isinstance(e, Mapping) and isinstance(e.get("engine_url"), str) for e in engines):
             raise ValueError("engines must be a non-empty list of {'engine_url': ..., 'kv_events': ..., 'kv_events_replay': ...}")
         ctx = serve.get_replica_context()
-        rank = getattr(ctx.rank, "rank", ctx.rank)
+        rank: Any = getattr(ctx.rank, "rank", ctx.rank)  # a ReplicaRank in 2.60, an int before
         self.engine = {k: v for k, v in engines[int(rank) % len(engines)].items() if k in ENGINE_METADATA_KEYS}
         self.url = self.engine["engine_url"].rstrip("/")
         self._session: Any = None
@@ -257,9 +257,7 @@ class OpenAIIngress:
 
         headers = {"x-kvroute-ingress": self.replica}
         if request.method == "GET" and request.url.path.endswith("/kvroute/routers"):
-            stats = [
-                {"counts": r.counts, "leases": dict(r.engines.leases.counts), "open": len(r.engines.leases)} for r in routers()
-            ]
+            stats = [{"counts": r.counts, "leases": dict(r.engines.leases.counts), "open": len(r.engines.leases)} for r in routers()]
             return JSONResponse({"replica": self.replica, "routers": stats}, headers=headers)
         path = request.url.path
         if path.endswith("/v1/chat/completions"):
@@ -295,10 +293,13 @@ def build_app(
     (``None``: Serve's default power-of-two-choices)."""
     from ray.serve.config import RequestRouterConfig
 
+    # Typed loosely: Ray's stubs declare request_router_class a dict, and deployment()'s overloads vary by version.
+    config: Any = RequestRouterConfig
+    deployment: Any = serve.deployment
     options: dict[str, Any] = {"num_replicas": len(engines), "max_ongoing_requests": max_ongoing_requests}
     if request_router_class is not None:
-        options["request_router_config"] = RequestRouterConfig(
+        options["request_router_config"] = config(
             request_router_class=request_router_class, request_router_kwargs=dict(request_router_kwargs or {})
         )
-    engine = serve.deployment(EngineReplica, name="Engine").options(**options).bind(engines)
-    return serve.deployment(OpenAIIngress, name="Ingress").options(num_replicas=ingress_replicas, max_ongoing_requests=256).bind(engine)
+    engine = deployment(EngineReplica, name="Engine").options(**options).bind(engines)
+    return deployment(OpenAIIngress, name="Ingress").options(num_replicas=ingress_replicas, max_ongoing_requests=256).bind(engine)
