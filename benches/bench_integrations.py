@@ -142,7 +142,8 @@ def run_litellm(engines: list[Engine], convs: list[Conversation], clients: int, 
 
 RAY_POLICIES = {
     "kvroute": "kvroute.integrations.ray_serve:KvrouteRequestRouter",
-    "PrefixCacheAffinityRouter": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    # Its public alias ray.serve.llm.request_router needs pyarrow (ray[llm]); this module runs with ray[serve] alone.
+    "PrefixCacheAffinityRouter": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
     "pow2-default": None,
 }
 

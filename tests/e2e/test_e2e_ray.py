@@ -88,6 +88,9 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
             ing, out = app.chat(conversation(conv, turn), stream=turn == 1)
             ingresses.add(ing)
             assert (b"[DONE]" in out) if turn == 1 else json.loads(out)["choices"][0]["finish_reason"] in ("length", "stop")
+            # The engines count a finished request on their next metrics update: poll (bounded) for it.
+            total = sum(before)
+            poll(lambda t=total: sum(e.metric("vllm:request_success_total") for e in app.engines) > t, 10.0, "the request counted")
             after = [e.metric("vllm:request_success_total") for e in app.engines]
             homes.setdefault(conv, set()).update(e.name for e, a, b in zip(app.engines, after, before) if a > b)
     assert len(ingresses) == 2, "both ingress replicas (two kvroute routers) routed requests"
