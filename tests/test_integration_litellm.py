@@ -264,3 +264,21 @@ def test_sync_completion_path() -> None:
             asyncio.run_coroutine_threadsafe(w.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         t.join(5)
+
+
+def test_proxy_handler_reads_its_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvroute.integrations.litellm as mod
+
+    monkeypatch.setenv("KVROUTE_BLOCK_SIZE", "32")
+    monkeypatch.setenv("KVROUTE_POLICY", "cache_aware")
+    monkeypatch.delitem(mod.__dict__, "proxy_handler", raising=False)
+    handler = mod.proxy_handler
+    try:
+        assert isinstance(handler, mod.KvrouteProxyHandler) and mod.proxy_handler is handler, "built once, on first access"
+        assert handler.engines.block_size == 32 and handler.engines.router.policy == "cache_aware"
+    finally:
+        handler.engines.close()
+    monkeypatch.delitem(mod.__dict__, "proxy_handler")
+    monkeypatch.setenv("KVROUTE_BLOCK_SIZE", "sixteen")
+    with pytest.raises(ValueError, match="KVROUTE_BLOCK_SIZE='sixteen': expected int"):
+        mod.proxy_handler  # noqa: B018
