@@ -2,13 +2,16 @@
 engines (the bed, docs/e2e.md), with bench_real_engines.py's seeded multi-turn chat workload, streamed.
 
     KVROUTE_E2E_BED=.e2e flock /work/e2e.lock .e2e/venv/bin/python benches/bench_integrations.py --json
-        [--integrations litellm,ray] [--num-blocks 192] [--conversations 32] [--turns 5] [--clients 6]
+        [--integrations litellm,ray] [--num-blocks 192] [--conversations 64] [--turns 6] [--clients 6] [--prefill-tokens-per-s N]
 
 LiteLLM 1.110 (``litellm.Router`` in this process): kvroute's ``KvrouteStrategy`` (exact mode, KV
 events, engine /metrics) vs ``routing_strategy="simple-shuffle"`` (the default) and ``"least-busy"``.
 Ray Serve 2.60 (a local cluster, ``kvroute.integrations.ray_serve.build_app``, 2 ingress replicas so 2
 routers route at once): ``KvrouteRequestRouter`` vs Ray's ``PrefixCacheAffinityRouter`` and the default
 power-of-two-choices; kvroute also with 1 ingress replica (one router), to see what a second router costs.
+kvroute's Router is told the engines' prefill speed (``prefill_tokens_per_s``), calibrated first on one cold
+prompt per engine unless given (its 20,000 tokens/s default is ~5x what these CPU engines do, which makes
+a cache miss look cheap next to a queue).
 
 Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
 (the engines' prefix-cache hits / queries deltas), "ttft_p50_ms", "ttft_p99_ms" (client, to the first
@@ -63,6 +66,24 @@ def summarise(
     }
 
 
+def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words: int = 600, repeats: int = 2) -> float:
+    """The engines' prefill speed in tokens/s, for the Router's load model: cold prompts of
+    ``prompt_words`` words (caches reset, max_tokens 1), prompt tokens over the request's wall time;
+    the median over ``repeats`` prompts per engine."""
+    import random
+
+    rng = random.Random(1)
+    reset(list(engines))
+    speeds = []
+    for _ in range(repeats):
+        for e in engines:
+            prompt = " ".join(rng.choice(words) for _ in range(prompt_words))
+            t0 = time.perf_counter()
+            out = e.complete({"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            speeds.append(out["usage"]["prompt_tokens"] / (time.perf_counter() - t0))
+    return float(statistics.median(speeds))
+
+
 # ---- LiteLLM ------------------------------------------------------------------------------------
 
 
@@ -100,7 +121,9 @@ async def drive_litellm(router: Any, convs: list[Conversation], clients: int, re
     res.wall_s = time.perf_counter() - t0
 
 
-def run_litellm(engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str]) -> list[dict[str, Any]]:
+def run_litellm(
+    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float
+) -> list[dict[str, Any]]:
     import litellm
     from kvroute.engines import EngineRouter
     from kvroute.integrations.litellm import KvrouteStrategy
@@ -121,7 +144,9 @@ def run_litellm(engines: list[Engine], convs: list[Conversation], clients: int, 
         try:
             if policy == "kvroute":
                 router = litellm.Router(model_list=model_list, num_retries=0)
-                er = EngineRouter(tokenizer=str(engines[0].bed.model), block_size=BLOCK_SIZE, metrics_interval=0.5)
+                er = EngineRouter(
+                    tokenizer=str(engines[0].bed.model), block_size=BLOCK_SIZE, metrics_interval=0.5, prefill_tokens_per_s=prefill
+                )
                 router.register_plugin(KvrouteStrategy(router, er))
             else:
                 router = litellm.Router(model_list=model_list, num_retries=0, routing_strategy=policy)
@@ -134,6 +159,8 @@ def run_litellm(engines: list[Engine], convs: list[Conversation], clients: int, 
             if er is not None:
                 er.close()
         rows.append(summarise("litellm", policy, 1, engines, res, before, after))
+        if policy == "kvroute":
+            rows[-1]["prefill_tokens_per_s"] = round(prefill)
         print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     return rows
 
@@ -148,7 +175,7 @@ RAY_POLICIES = {
 }
 
 
-def run_ray(engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str]) -> list[dict[str, Any]]:
+def run_ray(engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float) -> list[dict[str, Any]]:
     import ray
     from kvroute.integrations.ray_serve import build_app
     from ray import serve
@@ -177,6 +204,8 @@ def run_ray(engines: list[Engine], convs: list[Conversation], clients: int, poli
             after = counters(engines)
             serve.delete("bench")
             rows.append(summarise("ray", policy, ingresses, engines, res, before, after))
+            if policy == "kvroute":
+                rows[-1]["prefill_tokens_per_s"] = round(prefill)
             print(f"ray {policy} x{ingresses}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
@@ -204,8 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ray-policies", default=",".join(RAY_POLICIES))
     ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens per engine (default 192)")
     ap.add_argument("--systems", type=int, default=6)
-    ap.add_argument("--conversations", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="kvroute's prefill speed per engine (default: calibrated on the engines, see calibrate_prefill; 0 = kvroute's own default)",
+    )
     ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -215,19 +250,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"bench_integrations: {why}", file=sys.stderr)
         return 2
-    convs = workload(vocabulary(bed.model), a.systems, a.conversations, a.turns, a.seed)
+    words = vocabulary(bed.model)
+    convs = workload(words, a.systems, a.conversations, a.turns, a.seed)
     wanted = a.integrations.split(",")
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with bed.running(2, num_blocks=a.num_blocks) as engines:
+        prefill = a.prefill_tokens_per_s if a.prefill_tokens_per_s is not None else calibrate_prefill(engines, words)
+        prefill = prefill or 20000.0  # 0: the Router's default
+        print(f"kvroute prefill_tokens_per_s = {prefill:.0f}", file=sys.stderr, flush=True)
         if "litellm" in wanted:
-            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","))
+            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill)
         if "ray" in wanted:
-            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","))
+            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill)
     print(
         f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, {a.conversations} conversations"
         f" x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, {a.clients} clients, max_tokens {MAX_TOKENS},"
-        f" seed {a.seed}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f} s in all"
+        f" seed {a.seed}; kvroute prefill_tokens_per_s {prefill:.0f}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f} s in all"
     )
     print_table(rows)
     if a.json:
