@@ -45,6 +45,16 @@ PYEOF
   "$BED/venv/bin/pip" install -q "maturin>=1.9,<2" openai
   touch "$BED/venv/.complete-$VLLM_VERSION"
 fi
+# The integrations' hosts (tests/e2e/test_e2e_litellm.py, test_e2e_ray.py, benches/bench_integrations.py),
+# constrained to what vLLM already pinned in this venv so they cannot move its requirements.
+LITELLM_VERSION=${LITELLM_VERSION:-1.110.2}
+RAY_VERSION=${RAY_VERSION:-2.60.0}
+if [ ! -f "$BED/venv/.integrations-$LITELLM_VERSION-$RAY_VERSION" ]; then
+  echo "bed: adding litellm $LITELLM_VERSION and ray[serve] $RAY_VERSION (~2 min)"
+  "$BED/venv/bin/pip" freeze --exclude kvroute | grep -v " @ " > "$BED/constraints.txt"
+  "$BED/venv/bin/pip" install -q -c "$BED/constraints.txt" "litellm==$LITELLM_VERSION" "ray[serve]==$RAY_VERSION"
+  touch "$BED/venv/.integrations-$LITELLM_VERSION-$RAY_VERSION"
+fi
 if [ ! -f "$BED/model/config.json" ]; then
   "$BED/venv/bin/python" tests/vllm_bed.py model "$BED/model.tmp"
   rm -rf "$BED/model" && mv "$BED/model.tmp" "$BED/model"

@@ -1,0 +1,286 @@
+"""kvroute inside LiteLLM and Ray Serve against those hosts' own policies, on the same 2 real vLLM CPU
+engines (the bed, docs/e2e.md), with bench_real_engines.py's seeded multi-turn chat workload, streamed.
+
+    KVROUTE_E2E_BED=.e2e flock /work/e2e.lock .e2e/venv/bin/python benches/bench_integrations.py --json
+        [--integrations litellm,ray] [--num-blocks 192] [--conversations 64] [--turns 6] [--clients 6] [--prefill-tokens-per-s N]
+
+LiteLLM 1.110 (``litellm.Router`` in this process): kvroute's ``KvrouteStrategy`` (exact mode, KV
+events, engine /metrics) vs ``routing_strategy="simple-shuffle"`` (the default) and ``"least-busy"``.
+Ray Serve 2.60 (a local cluster, ``kvroute.integrations.ray_serve.build_app``, 2 ingress replicas so 2
+routers route at once): ``KvrouteRequestRouter`` vs Ray's ``PrefixCacheAffinityRouter`` and the default
+power-of-two-choices; kvroute also with 1 ingress replica (one router), to see what a second router costs.
+kvroute's Router is told the engines' prefill speed (``prefill_tokens_per_s``), calibrated first on cold
+prompts unless given (on this bed it measured ~24,500 tokens/s, close to the Router's 20,000 default: the
+tiny model prefills fast, and TTFT is mostly queueing and HTTP). ``--kvroute-policy`` picks the Router policy.
+
+Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
+(the engines' prefix-cache hits / queries deltas), "ttft_p50_ms", "ttft_p99_ms" (client, to the first
+streamed chunk), "errors", "prompt_tokens": {engine: tokens}, "imbalance" (max / mean prompt tokens)}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from bench_real_engines import MAX_TOKENS, Conversation, Result, counters, drive, reset, vocabulary, workload
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
+
+
+def summarise(
+    integration: str, policy: str, routers: int, engines: Sequence[Engine], res: Result, before: Any, after: Any
+) -> dict[str, Any]:
+    q = sum(a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"] for a, b in zip(after, before))
+    h = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"] for a, b in zip(after, before))
+    tokens = {e.name: int(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"]) for e, a, b in zip(engines, after, before)}
+    s = sorted(res.ttft)
+
+    def q_ms(p: float) -> float | None:
+        return round(s[min(len(s) - 1, int(p * len(s)))] * 1e3, 1) if s else None
+
+    mean = statistics.fmean(tokens.values()) if tokens else 0
+    return {
+        "integration": integration,
+        "policy": policy,
+        "routers": routers,
+        "requests": res.requests,
+        "hit_rate": round(h / q, 4) if q else 0.0,
+        "ttft_p50_ms": q_ms(0.5),
+        "ttft_p99_ms": q_ms(0.99),
+        "errors": res.errors,
+        "error_kinds": res.error_kinds,
+        "prompt_tokens": tokens,
+        "imbalance": round(max(tokens.values()) / mean, 3) if mean else None,
+        "wall_s": round(res.wall_s, 1),
+    }
+
+
+def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words: int = 600, repeats: int = 2) -> float:
+    """The engines' prefill speed in tokens/s, for the Router's load model: cold prompts of
+    ``prompt_words`` words (caches reset, max_tokens 1), prompt tokens over the request's wall time;
+    the median over ``repeats`` prompts per engine."""
+    import random
+
+    rng = random.Random(1)
+    reset(list(engines))
+    speeds = []
+    for _ in range(repeats):
+        for e in engines:
+            prompt = " ".join(rng.choice(words) for _ in range(prompt_words))
+            t0 = time.perf_counter()
+            out = e.complete({"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            speeds.append(out["usage"]["prompt_tokens"] / (time.perf_counter() - t0))
+    return float(statistics.median(speeds))
+
+
+# ---- LiteLLM ------------------------------------------------------------------------------------
+
+
+async def drive_litellm(router: Any, convs: list[Conversation], clients: int, res: Result) -> None:
+    """Like bench_real_engines.drive, through ``router.acompletion``: each client task owns its share of
+    the conversations and advances them round robin, turn by turn."""
+
+    async def one(conv: Conversation, turn: int) -> None:
+        t0 = time.perf_counter()
+        first = None
+        try:
+            stream = await router.acompletion(model="tiny", messages=conv.messages(turn), max_tokens=MAX_TOKENS, temperature=0, stream=True)
+            finish = None
+            async for chunk in stream:
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - t0
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            if first is None or finish is None:
+                raise RuntimeError(f"stream ended without {'a chunk' if first is None else 'a finish_reason'}")
+            res.ttft.append(first)
+        except Exception as e:
+            res.errors += 1
+            res.error_kinds[type(e).__name__] = res.error_kinds.get(type(e).__name__, 0) + 1
+        finally:
+            res.requests += 1
+
+    async def client(mine: list[Conversation]) -> None:
+        for turn in range(len(mine[0].turns) if mine else 0):
+            for conv in mine:
+                await one(conv, turn)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(convs[i::clients]) for i in range(clients)))
+    res.wall_s = time.perf_counter() - t0
+
+
+def run_litellm(
+    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float, kv_policy: str | None
+) -> list[dict[str, Any]]:
+    import litellm
+    from kvroute.engines import EngineRouter
+    from kvroute.integrations.litellm import KvrouteStrategy
+
+    model_list = [
+        {
+            "model_name": "tiny",
+            "litellm_params": {"model": f"hosted_vllm/{MODEL_NAME}", "api_base": e.url + "/v1", "api_key": "unused", "timeout": 120},
+            "model_info": {"id": e.name, "kv_events": e.events, "kv_events_replay": e.replay},
+        }
+        for e in engines
+    ]
+    rows = []
+    for policy in policies:
+        reset(engines)
+        saved = list(litellm.callbacks)
+        er = None
+        try:
+            if policy == "kvroute":
+                router = litellm.Router(model_list=model_list, num_retries=0)
+                er = EngineRouter(
+                    tokenizer=str(engines[0].bed.model),
+                    block_size=BLOCK_SIZE,
+                    metrics_interval=0.5,
+                    prefill_tokens_per_s=prefill,
+                    **({"policy": kv_policy} if kv_policy else {}),
+                )
+                router.register_plugin(KvrouteStrategy(router, er))
+            else:
+                router = litellm.Router(model_list=model_list, num_retries=0, routing_strategy=policy)
+            res = Result(policy, "litellm")
+            before = counters(engines)
+            asyncio.run(drive_litellm(router, convs, clients, res))
+            after = counters(engines)
+        finally:
+            litellm.callbacks[:] = saved
+            if er is not None:
+                er.close()
+        rows.append(summarise("litellm", policy, 1, engines, res, before, after))
+        if policy == "kvroute":
+            rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack")
+        print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---- Ray Serve ----------------------------------------------------------------------------------
+
+RAY_POLICIES = {
+    "kvroute": "kvroute.integrations.ray_serve:KvrouteRequestRouter",
+    # Its public alias ray.serve.llm.request_router needs pyarrow (ray[llm]); this module runs with ray[serve] alone.
+    "PrefixCacheAffinityRouter": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter",
+    "pow2-default": None,
+}
+
+
+def run_ray(
+    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float, kv_policy: str | None
+) -> list[dict[str, Any]]:
+    import ray
+    from kvroute.integrations.ray_serve import build_app
+    from ray import serve
+
+    specs = [{"engine_url": e.url, "kv_events": e.events, "kv_events_replay": e.replay} for e in engines]
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        runs = [(p, 2) for p in policies] + ([("kvroute", 1)] if "kvroute" in policies else [])
+        for policy, ingresses in runs:
+            reset(engines)
+            cls = RAY_POLICIES[policy]
+            kwargs = (
+                {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5} if policy == "kvroute" else {}
+            )
+            serve.run(
+                build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
+                name="bench",
+                route_prefix="/",
+            )
+            res = Result(policy, "ray")
+            before = counters(engines)
+            drive(f"http://127.0.0.1:{port}", convs, clients, res, None)
+            after = counters(engines)
+            serve.delete("bench")
+            rows.append(summarise("ray", policy, ingresses, engines, res, before, after))
+            if policy == "kvroute":
+                rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack")
+            print(f"ray {policy} x{ingresses}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'integration':<12}{'policy':<28}{'routers':>8}{'hit %':>8}{'TTFT p50':>10}{'p99 ms':>9}{'errors':>8}{'max/mean':>10}  prompt tokens"
+    )
+    for r in rows:
+        pt = " / ".join(str(v) for v in r["prompt_tokens"].values())
+        print(
+            f"{r['integration']:<12}{r['policy']:<28}{r['routers']:>8}{r['hit_rate'] * 100:>8.1f}{r['ttft_p50_ms'] or 0:>10.1f}"
+            f"{r['ttft_p99_ms'] or 0:>9.1f}{r['errors']:>8}{r['imbalance'] or 0:>10.3f}  {pt}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="one JSON line per (integration, policy) after the table")
+    ap.add_argument("--integrations", default="litellm,ray")
+    ap.add_argument("--litellm-policies", default="kvroute,simple-shuffle,least-busy")
+    ap.add_argument("--ray-policies", default=",".join(RAY_POLICIES))
+    ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens per engine (default 192)")
+    ap.add_argument("--systems", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--kvroute-policy", default=None, help="kvroute's Router policy (default: the Router's default, slack)")
+    ap.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="kvroute's prefill speed per engine (default: calibrated on the engines, see calibrate_prefill; 0 = kvroute's own default)",
+    )
+    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    bed = Bed()
+    why = bed.missing()
+    if why:
+        print(f"bench_integrations: {why}", file=sys.stderr)
+        return 2
+    words = vocabulary(bed.model)
+    convs = workload(words, a.systems, a.conversations, a.turns, a.seed)
+    wanted = a.integrations.split(",")
+    rows: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    with bed.running(2, num_blocks=a.num_blocks) as engines:
+        prefill = a.prefill_tokens_per_s if a.prefill_tokens_per_s is not None else calibrate_prefill(engines, words)
+        prefill = prefill or 20000.0  # 0: the Router's default
+        print(f"kvroute prefill_tokens_per_s = {prefill:.0f}", file=sys.stderr, flush=True)
+        if "litellm" in wanted:
+            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy)
+        if "ray" in wanted:
+            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill, a.kvroute_policy)
+    print(
+        f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, {a.conversations} conversations"
+        f" x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, {a.clients} clients, max_tokens {MAX_TOKENS},"
+        f" seed {a.seed}; kvroute prefill_tokens_per_s {prefill:.0f}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f} s in all"
+    )
+    print_table(rows)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

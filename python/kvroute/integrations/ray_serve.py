@@ -1,0 +1,305 @@
+"""kvroute as a Ray Serve request router: each replica fronts one engine and says which (its URL and
+KV-event endpoints, ``record_replica_metadata``); the router ranks the replicas by kvroute's choice.
+
+    @serve.deployment(num_replicas=2, request_router_config=RequestRouterConfig(
+        request_router_class="kvroute.integrations.ray_serve:KvrouteRequestRouter",
+        request_router_kwargs={"tokenizer": "/models/llama", "block_size": 16}))
+    class Engine(EngineReplica): ...
+
+A router lives in every process holding a handle (each Serve proxy, each ingress replica), and each
+sees only its own requests: every instance subscribes to every engine's KV events and polls each
+engine's /metrics (``metrics_interval``), so the load other instances cause reaches its Router too.
+Serve then takes, inside the first ranked group, the replica with the shortest queue. Example app:
+docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.engines import EngineRouter, NoCandidates
+from kvroute.prompt import BadRequest
+
+try:
+    from ray import serve
+    from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("kvroute.integrations.ray_serve needs Ray Serve: pip install 'kvroute[ray]'") from exc
+
+__all__ = ["ENGINE_METADATA_KEYS", "EngineReplica", "KvrouteRequestRouter", "OpenAIIngress", "OpenAIRequest", "build_app", "routers"]
+
+log = logging.getLogger(__name__)
+
+#: What a replica's ``record_replica_metadata()`` returns for the router: ``engine_url`` (required),
+#: ``kv_events`` and ``kv_events_replay`` (optional ZMQ endpoints).
+ENGINE_METADATA_KEYS = ("engine_url", "kv_events", "kv_events_replay")
+
+
+@dataclass
+class OpenAIRequest:
+    """An OpenAI completions / chat body as the ingress hands it to the engine deployment (the
+    handle call's first argument, which is what a request router sees). ``messages`` / ``prompt``
+    exist only when the body has them, as Ray's own ``PrefixCacheAffinityRouter`` expects."""
+
+    body: dict[str, Any]
+    chat: bool = field(default=True)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("messages", "prompt") and name in self.__dict__.get("body", {}):
+            return self.body[name]
+        raise AttributeError(name)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+def _request_body(pending: PendingRequest | None) -> tuple[dict[str, Any], bool] | None:
+    """The OpenAI body in a handle call's arguments: an ``OpenAIRequest``, a dict, or any object
+    with ``messages`` / ``prompt`` (such as ``ray.serve.llm``'s request models)."""
+    if pending is None:
+        return None
+    for arg in [*pending.args, *pending.kwargs.values()]:
+        if isinstance(arg, OpenAIRequest):
+            return arg.body, arg.chat
+        if isinstance(arg, Mapping) and ("messages" in arg or "prompt" in arg):
+            return dict(arg), "messages" in arg
+        msgs = getattr(arg, "messages", None)
+        if msgs is not None:
+            return {"messages": [m if isinstance(m, Mapping) else _as_dict(m) for m in msgs]}, True
+        prompt = getattr(arg, "prompt", None)
+        if prompt is not None:
+            return {"prompt": prompt}, False
+    return None
+
+
+def _as_dict(m: Any) -> dict[str, Any]:
+    dump = getattr(m, "model_dump", None)
+    return dict(dump()) if callable(dump) else dict(vars(m))
+
+
+_routers: weakref.WeakSet[KvrouteRequestRouter] = weakref.WeakSet()
+
+
+def routers() -> list[KvrouteRequestRouter]:
+    """This process's kvroute request routers (one per handle), e.g. to report their lease counts."""
+    return list(_routers)
+
+
+class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
+    """A Serve ``RequestRouter``: ``choose_replicas`` ranks ``[[kvroute's pick], [the others]]``.
+
+    ``request_router_kwargs`` go to ``kvroute.engines.EngineRouter`` (``tokenizer``, ``block_size``,
+    ``metrics_interval`` (default 1 s here), ``lease_ttl``, Router settings such as ``policy``). Every
+    routed request holds a lease until ``on_request_completed`` (success, error or cancel).
+    Requests whose arguments carry no prompt are ranked by load alone."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        kwargs.setdefault("metrics_interval", 1.0)
+        self.engines = EngineRouter(**kwargs).start()
+        self._leased: dict[str, str] = {}  # internal request id -> ticket
+        self.counts = {"routed": 0, "rerouted": 0, "no_prompt": 0}
+        # Serve may load this class by value (cloudpickle), with its own copy of this module's
+        # globals: register with the module as imported in this process.
+        import kvroute.integrations.ray_serve as this
+
+        this._routers.add(self)
+
+    # ---- replicas --------------------------------------------------------------------------
+
+    def _register(self, replica: RunningReplica) -> str | None:
+        key = str(replica.replica_id.to_full_id_str())
+        if self.engines.get(key) is not None:
+            return key
+        md = replica.replica_metadata or {}
+        url = md.get("engine_url")
+        if not isinstance(url, str):
+            log.warning("replica %s records no engine_url in record_replica_metadata(); kvroute cannot route to it", key)
+            return None
+        self.engines.add(key, url, kv_events=md.get("kv_events"), kv_events_replay=md.get("kv_events_replay"))
+        return key
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.to_full_id_str() for r in replicas}
+        for r in replicas:
+            self._register(r)
+        for e in self.engines.engines():
+            if e.key not in live:
+                self.engines.remove(e.key)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.engines.remove(replica_id.to_full_id_str())
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_key = {k: r for r in candidate_replicas if (k := self._register(r)) is not None}
+        found = _request_body(pending_request)
+        if pending_request is None or not by_key:
+            return [candidate_replicas]
+        rid = pending_request.metadata.internal_request_id
+        old = self._leased.pop(rid, None)
+        if old is not None:  # routed again (the replica was full or rejected it): take the first pick back
+            self.engines.leases.cancel(old)
+        try:
+            if found is None:
+                raise BadRequest("no prompt in the handle call's arguments")
+            lease = self.engines.lease(found[0], found[1], candidates=by_key, ticket=rid)
+        except BadRequest:
+            self.counts["no_prompt"] += 1
+            lease = self.engines.lease({"prompt": [0]}, False, candidates=by_key, ticket=rid)
+        except NoCandidates:
+            return [candidate_replicas]
+        self._leased[rid] = lease.ticket
+        self.counts["routed"] += 1
+        best = by_key[self.engines.engine_of(lease).key]
+        return [[best], [r for r in candidate_replicas if r is not best]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = pending_request.metadata.internal_request_id
+        ticket = self._leased.get(rid)
+        key = replica_id.to_full_id_str()
+        lease = self.engines.leases.get(ticket) if ticket is not None else None
+        if lease is None or self.engines.engine_of(lease).key == key or self.engines.get(key) is None:
+            return
+        # Serve sent it to another replica of the ranking (the first was full): move the lease there.
+        found = _request_body(pending_request)
+        self.engines.leases.cancel(lease.ticket)
+        body, chat = found if found is not None else ({"prompt": [0]}, False)
+        try:
+            moved = self.engines.lease(body, chat, candidates=[key], ticket=rid)
+        except (BadRequest, NoCandidates):
+            self._leased.pop(rid, None)
+            return
+        self._leased[rid] = moved.ticket
+        self.counts["rerouted"] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        ticket = self._leased.pop(internal_request_id, None)
+        if ticket is not None:
+            self.engines.leases.finish(ticket)
+
+
+class EngineReplica:
+    """A Serve deployment body fronting one OpenAI-compatible engine (vLLM, SGLang): it forwards
+    ``OpenAIRequest`` bodies to the engine and streams its answer back, and records which engine it
+    is for the router. ``engines``: one dict per replica rank, ``{"engine_url", "kv_events",
+    "kv_events_replay"}`` (replica ``rank`` takes ``engines[rank % len(engines)]``)."""
+
+    def __init__(self, engines: list[dict[str, str]]) -> None:
+        if not engines or not all(isinstance(e, Mapping) and isinstance(e.get("engine_url"), str) for e in engines):
+            raise ValueError("engines must be a non-empty list of {'engine_url': ..., 'kv_events': ..., 'kv_events_replay': ...}")
+        ctx = serve.get_replica_context()
+        rank: Any = getattr(ctx.rank, "rank", ctx.rank)  # a ReplicaRank in 2.60, an int before
+        self.engine = {k: v for k, v in engines[int(rank) % len(engines)].items() if k in ENGINE_METADATA_KEYS}
+        self.url = self.engine["engine_url"].rstrip("/")
+        self._session: Any = None
+
+    def record_replica_metadata(self) -> dict[str, str]:
+        return dict(self.engine)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine's /health must answer 200, else Serve replaces this
+        replica and the routers drop it (``update_replicas``)."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.url} /health answered {r.status}")
+
+    async def _post(self, req: OpenAIRequest) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        return await self._session.post(self.url + req.path, json=req.body)
+
+    async def complete(self, req: OpenAIRequest) -> dict[str, Any]:
+        """A non-streamed request: the engine's JSON answer (an engine error raises, so Serve reports it)."""
+        async with await self._post(req) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.url} answered {r.status}: {text[:300]}")
+            return dict(json.loads(text))
+
+    async def stream(self, req: OpenAIRequest) -> AsyncIterator[bytes]:
+        """A streamed request: the engine's SSE bytes as they arrive."""
+        async with await self._post(req) as r:
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.url} answered {r.status}: {(await r.text())[:300]}")
+            async for chunk in r.content.iter_any():
+                yield chunk
+
+
+class OpenAIIngress:
+    """The HTTP ingress: parses ``/v1/chat/completions`` and ``/v1/completions`` bodies and calls the
+    engine deployment through its handle (so the handle's request router sees the prompt), streamed
+    or not. ``GET /kvroute/routers`` reports this replica's kvroute routers (leases, counts)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.to_full_id_str()
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        headers = {"x-kvroute-ingress": self.replica}
+        if request.method == "GET" and request.url.path.endswith("/kvroute/routers"):
+            stats = [{"counts": r.counts, "leases": dict(r.engines.leases.counts), "open": len(r.engines.leases)} for r in routers()]
+            return JSONResponse({"replica": self.replica, "routers": stats}, headers=headers)
+        path = request.url.path
+        if path.endswith("/v1/chat/completions"):
+            chat = True
+        elif path.endswith("/v1/completions"):
+            chat = False
+        else:
+            return JSONResponse({"error": {"message": f"no route {path}"}}, status_code=404, headers=headers)
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return JSONResponse({"error": {"message": f"request body is not valid JSON: {e}"}}, status_code=400, headers=headers)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "request body must be a JSON object"}}, status_code=400, headers=headers)
+        req = OpenAIRequest(body, chat)
+        if body.get("stream"):
+            gen = self.engine.options(stream=True).stream.remote(req)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        out = await self.engine.complete.remote(req)
+        return Response(json.dumps(out), media_type="application/json", headers=headers)
+
+
+def build_app(
+    engines: list[dict[str, str]],
+    *,
+    request_router_class: str | None = "kvroute.integrations.ray_serve:KvrouteRequestRouter",
+    request_router_kwargs: dict[str, Any] | None = None,
+    ingress_replicas: int = 1,
+    max_ongoing_requests: int = 16,
+) -> Any:
+    """A Serve application: ``OpenAIIngress`` (``ingress_replicas``, each holding a handle and so a
+    router) in front of one ``EngineReplica`` per engine, routed by ``request_router_class``
+    (``None``: Serve's default power-of-two-choices)."""
+    from ray.serve.config import RequestRouterConfig
+
+    # Typed loosely: Ray's stubs declare request_router_class a dict, and deployment()'s overloads vary by version.
+    config: Any = RequestRouterConfig
+    deployment: Any = serve.deployment
+    options: dict[str, Any] = {"num_replicas": len(engines), "max_ongoing_requests": max_ongoing_requests}
+    if request_router_class is not None:
+        options["request_router_config"] = config(
+            request_router_class=request_router_class, request_router_kwargs=dict(request_router_kwargs or {})
+        )
+    engine = deployment(EngineReplica, name="Engine").options(**options).bind(engines)
+    return deployment(OpenAIIngress, name="Ingress").options(num_replicas=ingress_replicas, max_ongoing_requests=256).bind(engine)

@@ -1,0 +1,193 @@
+"""Request leases: route a request, then release its load on the Router exactly once.
+
+For hosts that only see "routed" and later "finished" or "failed" (LiteLLM callbacks, Ray Serve's
+``on_request_completed``): each outcome is reported by ticket, duplicates are ignored, and a lease
+nobody releases (an abandoned stream fires no callback) expires after ``ttl`` seconds.
+
+>>> import kvroute
+>>> from kvroute.lease import LeaseTable
+>>> router = kvroute.Router()
+>>> router.add_worker(0); router.add_worker(1)
+>>> leases = LeaseTable(router, ttl=60.0)
+>>> lease = leases.open(kvroute.block_hashes(list(range(128)), 64), num_tokens=128)
+>>> router.num_in_flight, leases.finish(lease.ticket), leases.finish(lease.ticket), router.num_in_flight
+(1, True, False, 0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvroute._core import Decision, KvrouteError, NoWorkersError, Router
+
+__all__ = ["Lease", "LeaseTable", "Outcome", "RequestRejected"]
+
+log = logging.getLogger(__name__)
+
+#: How a lease ended: the host reported success, failure or a cancel, or nobody reported within the TTL.
+Outcome = Literal["finished", "failed", "cancelled", "expired"]
+
+_tickets = itertools.count()
+
+
+class RequestRejected(KvrouteError):
+    """The Router's early rejection refused the request (it was created with ``ttft_slo``); ``decision``
+    says why (``decision.reason``, ``decision.predicted_ttft``). Nothing is leased."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(f"request rejected: {decision.reason} (predicted TTFT {decision.predicted_ttft:.3f} s)")
+        self.decision = decision
+
+
+@dataclass
+class Lease:
+    """One routed request's load on the Router. ``ticket`` is the key a host carries to its callbacks."""
+
+    ticket: str
+    worker: int
+    decision: Decision
+    opened: float
+    prefilled: bool = False
+    outcome: Outcome | None = field(default=None)
+
+    @property
+    def released(self) -> bool:
+        return self.outcome is not None
+
+
+class LeaseTable:
+    """Open leases by ticket, on one Router; every method is thread-safe and never blocks on I/O, so
+    asyncio code calls it directly.
+
+    ``ttl`` bounds how long a lease nobody releases holds load: expired leases are released (as
+    ``finished``) by ``expire()``, which ``open`` runs on every call, so expiry needs no timer thread.
+    ``clock`` is the monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(self, router: Router, ttl: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        self.router = router
+        self.ttl = ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._open: dict[str, Lease] = {}
+        self.counts: dict[str, int] = {"opened": 0, "finished": 0, "failed": 0, "cancelled": 0, "expired": 0, "duplicates": 0}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(
+        self,
+        hashes: npt.NDArray[np.uint64],
+        num_tokens: int,
+        output_tokens: int | None = None,
+        allowed: Collection[int] | None = None,
+        ticket: str | None = None,
+    ) -> Lease:
+        """Routes one request and leases its load until it is released.
+
+        ``allowed`` restricts the choice to these workers (a host's healthy list minus the ones a
+        retry already failed on): when the Router's pick is outside it, that decision is taken back
+        and the request is pinned to the allowed worker the same decision scored best. Raises
+        ``NoWorkersError`` when no allowed worker is registered, ``RequestRejected`` on rejection.
+        """
+        self.expire()
+        rid = ticket if ticket is not None else f"kvroute-{next(_tickets)}"
+        with self._lock:
+            if rid in self._open:
+                raise ValueError(f"ticket {rid!r} is already leased")
+        if allowed is not None:
+            allowed = set(allowed) & set(self.router.workers())
+            if not allowed:
+                raise NoWorkersError("none of the allowed workers is registered with the router")
+        d = self.router.route(
+            hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, explain=allowed is not None
+        )
+        if allowed is not None and d.worker not in allowed:
+            if d.admitted:
+                self.router.cancel(rid)
+            scores = [s for s in d.explain or [] if s["worker"] in allowed]
+            best = min(scores, key=lambda s: (s["score"], s["in_flight"], s["worker"]))["worker"] if scores else min(allowed)
+            d = self.router.route(hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, worker=best)
+        if not d.admitted:
+            raise RequestRejected(d)
+        lease = Lease(rid, d.worker, d, self.clock())
+        with self._lock:
+            self._open[rid] = lease
+            self.counts["opened"] += 1
+        return lease
+
+    def get(self, ticket: str) -> Lease | None:
+        with self._lock:
+            return self._open.get(ticket)
+
+    def prefill_done(self, ticket: str) -> bool:
+        """The request's first token arrived (its prefill is over); False when no such lease is open."""
+        with self._lock:
+            lease = self._open.get(ticket)
+            if lease is None or lease.prefilled:
+                return False
+            lease.prefilled = True
+        self._call(self.router.prefill_done, ticket)
+        return True
+
+    def finish(self, ticket: str) -> bool:
+        return self.release(ticket, "finished")
+
+    def fail(self, ticket: str) -> bool:
+        return self.release(ticket, "failed")
+
+    def cancel(self, ticket: str) -> bool:
+        return self.release(ticket, "cancelled")
+
+    def release(self, ticket: str, outcome: Outcome) -> bool:
+        """Releases the lease once: True the first time, False (counted as a duplicate) after.
+
+        A request that failed or was cancelled before its first token gives its queued prefill
+        back (``Router.cancel``); any other ending frees its load (``Router.finished``)."""
+        with self._lock:
+            lease = self._open.pop(ticket, None)
+            if lease is None:
+                self.counts["duplicates"] += 1
+                return False
+            lease.outcome = outcome
+            self.counts[outcome] += 1
+        if outcome in ("failed", "cancelled") and not lease.prefilled:
+            self._call(self.router.cancel, ticket)
+        else:
+            self._call(self.router.finished, ticket)
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Releases (as ``expired``) every lease opened more than ``ttl`` seconds ago; returns how many."""
+        cutoff = (self.clock() if now is None else now) - self.ttl
+        stale = []
+        with self._lock:
+            for t, lease in self._open.items():  # in opening order (the clock is monotonic)
+                if lease.opened > cutoff:
+                    break
+                stale.append(t)
+        return sum(self.release(t, "expired") for t in stale)
+
+    def release_worker(self, worker: int, outcome: Outcome = "failed") -> int:
+        """Releases every open lease on ``worker`` (it died or left); returns how many."""
+        with self._lock:
+            tickets = [t for t, lease in self._open.items() if lease.worker == worker]
+        return sum(self.release(t, outcome) for t in tickets)
+
+    def _call(self, fn: Callable[[str], None], ticket: str) -> None:
+        try:
+            fn(ticket)
+        except KvrouteError as e:
+            # The worker was removed from the Router meanwhile (its load went with it).
+            log.debug("releasing %s: %s", ticket, e)

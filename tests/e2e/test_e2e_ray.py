@@ -1,0 +1,116 @@
+"""kvroute as Ray Serve's request router on real vLLM engines: two ingress replicas, so two kvroute
+routers route at once, each fed by every engine's KV events (exact mode). Conversations stay on the
+engine holding their prefix whichever router routes them (the engines' own prefix-cache counters
+say so), every lease is released, and concurrent requests see no error."""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import vllm_bed
+
+vllm_bed.skip_unless_bed()
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import ray
+from kvroute.integrations.ray_serve import build_app
+from ray import serve
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, free_port, poll
+
+
+class App:
+    def __init__(self, engines: list[vllm_bed.Engine]) -> None:
+        self.engines = engines
+        self.port = free_port()
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        specs = [{"engine_url": e.url, "kv_events": e.events, "kv_events_replay": e.replay} for e in engines]
+        kwargs = {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5}
+        serve.run(build_app(specs, request_router_kwargs=kwargs, ingress_replicas=2), name="kvroute", route_prefix="/")
+
+    def close(self) -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    def chat(self, msgs: list[dict[str, str]], stream: bool) -> tuple[str, bytes]:
+        body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": stream}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.headers["x-kvroute-ingress"], r.read()
+
+    def routers(self) -> dict[str, list[dict[str, Any]]]:
+        seen: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(50):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/kvroute/routers", timeout=30) as r:
+                out = json.loads(r.read())
+            seen[out["replica"]] = out["routers"]
+            if len(seen) == 2:
+                break
+        return seen
+
+
+@pytest.fixture(scope="module")
+def app(engines: list[vllm_bed.Engine]) -> Iterator[App]:
+    a = App(engines)
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+def conversation(conv: int, turn: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": f"You are helper {conv}. " + "Answer briefly and precisely, citing sources. " * 8}]
+    for t in range(turn + 1):
+        msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}?"})
+        if t < turn:
+            msgs.append({"role": "assistant", "content": f"Answer {t}."})
+    return msgs
+
+
+def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
+    for e in app.engines:
+        e.reset_prefix_cache()
+    ingresses: set[str] = set()
+    homes: dict[int, set[str]] = {}
+    hits0 = sum(e.metric("vllm:prefix_cache_hits_total") for e in app.engines)
+    for turn in range(3):
+        for conv in range(4):
+            before = [e.metric("vllm:request_success_total") for e in app.engines]
+            ing, out = app.chat(conversation(conv, turn), stream=turn == 1)
+            ingresses.add(ing)
+            assert (b"[DONE]" in out) if turn == 1 else json.loads(out)["choices"][0]["finish_reason"] in ("length", "stop")
+            # The engines count a finished request on their next metrics update: poll (bounded) for it.
+            total = sum(before)
+            poll(lambda t=total: sum(e.metric("vllm:request_success_total") for e in app.engines) > t, 10.0, "the request counted")
+            after = [e.metric("vllm:request_success_total") for e in app.engines]
+            homes.setdefault(conv, set()).update(e.name for e, a, b in zip(app.engines, after, before) if a > b)
+    assert len(ingresses) == 2, "both ingress replicas (two kvroute routers) routed requests"
+    assert len(set().union(*homes.values())) == 2, f"the conversations spread over both engines: {homes}"
+    # Both routers read the same engines' KV events, so a conversation keeps its engine whichever routes it.
+    assert sum(len(h) == 1 for h in homes.values()) >= 3, homes
+    hits = sum(e.metric("vllm:prefix_cache_hits_total") for e in app.engines) - hits0
+    assert hits >= 8 * 2 * BLOCK_SIZE, f"follow-up turns hit only {hits} cached tokens"
+    poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
+    leases = [rs[0]["leases"] for rs in app.routers().values()]
+    assert sum(lz["opened"] for lz in leases) == 12 and all(lz["opened"] == lz["finished"] for lz in leases), leases
+
+
+def test_concurrent_requests_no_errors(app: App) -> None:
+    def one(i: int) -> bytes:
+        return app.chat(conversation(i % 6, i // 6), stream=i % 2 == 0)[1]
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, range(24)))
+    for i, o in enumerate(outs):
+        assert (b"[DONE]" in o) if i % 2 == 0 else json.loads(o)["choices"][0]["finish_reason"] in ("length", "stop")
+    # on_request_completed runs in the ingress once the response is done: wait (bounded) for it.
+    poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")

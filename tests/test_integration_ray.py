@@ -1,0 +1,137 @@
+"""kvroute.integrations.ray_serve on fake engines (tests/openai_engine.py) in a local Ray cluster:
+two ingress replicas, so two kvroute routers route at once; each conversation stays on one engine,
+streamed and not, and every lease is released. Skips without Ray Serve (``pip install 'kvroute[ray]'``)."""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("aiohttp")
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvroute.integrations.ray_serve import build_app
+from openai_engine import ChatEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.engines = [ChatEngine(f"e{i}") for i in range(2)]
+        for e in self.engines:
+            asyncio.run_coroutine_threadsafe(e.start(), self.loop).result(10)
+        self.port = _free_port()
+        src = str(Path(__file__).resolve().parents[1] / "python")
+        path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def close(self) -> None:
+        serve.shutdown()
+        ray.shutdown()
+        for e in self.engines:
+            asyncio.run_coroutine_threadsafe(e.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    def post(self, body: dict[str, Any]) -> tuple[str, bytes]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.headers["x-kvroute-ingress"], r.read()
+
+    def routers(self) -> dict[str, list[dict[str, Any]]]:
+        """Each ingress replica's kvroute routers (asks until both replicas answered, bounded)."""
+        seen: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(50):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/kvroute/routers", timeout=30) as r:
+                out = json.loads(r.read())
+            seen[out["replica"]] = out["routers"]
+            if len(seen) == 2:
+                break
+        return seen
+
+
+def wait_released(cluster: Cluster) -> None:
+    """on_request_completed runs in the ingress once a response is done: poll (bounded) until no lease is open."""
+    for _ in range(300):
+        if all(rs and rs[0]["open"] == 0 for rs in cluster.routers().values()):
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"leases still open: {cluster.routers()}")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        serve.run(
+            build_app([{"engine_url": e.url} for e in c.engines], request_router_kwargs={"block_size": 16}, ingress_replicas=2),
+            name="kvroute",
+            route_prefix="/",
+        )
+        yield c
+    finally:
+        c.close()
+
+
+def test_two_router_instances_keep_conversations_on_their_engine(cluster: Cluster) -> None:
+    ingresses: set[str] = set()
+    homes: dict[int, set[int]] = {}
+    for turn in range(4):
+        for conv in range(6):
+            msgs = [{"role": "system", "content": f"system prompt {conv} " * 80}]
+            msgs += [{"role": "user", "content": f"question {t}"} for t in range(turn + 1)]
+            before = [e.completed for e in cluster.engines]
+            ing, out = cluster.post({"messages": msgs, "max_tokens": 4, "stream": turn % 2 == 1})
+            ingresses.add(ing)
+            assert (b"[DONE]" in out) if turn % 2 else json.loads(out)["choices"][0]["finish_reason"] == "length"
+            after = [e.completed for e in cluster.engines]
+            homes.setdefault(conv, set()).update(i for i in range(2) if after[i] > before[i])
+    assert len(ingresses) == 2, "Serve's proxy spread the requests over both ingress replicas (two routers)"
+    # Approximate mode: each router learns the cache from its own decisions only, so a conversation
+    # may take one more engine when the other router first sees it; never more than that.
+    assert all(len(h) <= 2 for h in homes.values()), homes
+    assert sum(len(h) == 1 for h in homes.values()) >= 3, homes
+    wait_released(cluster)
+    stats = cluster.routers()
+    assert len(stats) == 2 and all(len(rs) == 1 for rs in stats.values()), stats
+    leases = [rs[0]["leases"] for rs in stats.values()]
+    assert sum(lz["opened"] for lz in leases) == 24
+    assert all(lz["opened"] == lz["finished"] for lz in leases), leases
+    assert all(rs[0]["open"] == 0 for rs in stats.values())
+
+
+def test_concurrent_requests_no_errors(cluster: Cluster) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> bytes:
+        msgs = [{"role": "system", "content": f"shared prompt {i % 3} " * 60}, {"role": "user", "content": f"q{i}"}]
+        return cluster.post({"messages": msgs, "max_tokens": 4, "stream": i % 2 == 0})[1]
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, range(32)))
+    assert all(b"[DONE]" in o if i % 2 == 0 else b'"finish_reason": "length"' in o for i, o in enumerate(outs))
+    wait_released(cluster)

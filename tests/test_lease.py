@@ -1,0 +1,223 @@
+"""kvroute.lease and kvroute.engines: leases released exactly once (finish, fail, cancel, TTL), from
+many threads; candidate restriction; EngineRouter's prefix routing, cool-down and engine /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import kvroute
+import numpy as np
+import pytest
+from kvroute.engines import EngineRouter, NoCandidates
+from kvroute.lease import LeaseTable, RequestRejected
+from kvroute.prompt import BadRequest
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _router(n: int = 2) -> kvroute.Router:
+    r = kvroute.Router(block_size=16)
+    for w in range(n):
+        r.add_worker(w)
+    return r
+
+
+def _hashes(seed: int, blocks: int = 8) -> np.ndarray:
+    return kvroute.block_hashes(np.random.default_rng(seed).integers(0, 50_000, blocks * 16, dtype=np.uint32), 16)
+
+
+def test_release_exactly_once_per_outcome() -> None:
+    r = _router()
+    leases = LeaseTable(r, ttl=30.0, clock=Clock())
+    for outcome in ("finished", "failed", "cancelled"):
+        lease = leases.open(_hashes(1), num_tokens=128)
+        assert r.num_in_flight == 1 and len(leases) == 1
+        assert leases.release(lease.ticket, outcome) is True
+        assert lease.outcome == outcome and lease.released
+        assert leases.release(lease.ticket, "finished") is False
+        assert r.num_in_flight == 0 and len(leases) == 0
+    assert leases.counts == {"opened": 3, "finished": 1, "failed": 1, "cancelled": 1, "expired": 0, "duplicates": 3}
+
+
+def test_prefill_done_then_failure_frees_the_decode_side() -> None:
+    r = _router(1)
+    leases = LeaseTable(r, ttl=30.0)
+    lease = leases.open(_hashes(2), num_tokens=128, output_tokens=64)
+    assert leases.prefill_done(lease.ticket) and not leases.prefill_done(lease.ticket)
+    assert r.load(0)["decoding"] == 1
+    assert leases.fail(lease.ticket)
+    assert r.load(0)["decoding"] == 0 and r.num_in_flight == 0
+
+
+def test_abandoned_lease_expires_after_ttl() -> None:
+    clock = Clock()
+    r = _router()
+    leases = LeaseTable(r, ttl=10.0, clock=clock)
+    old = leases.open(_hashes(3), num_tokens=128)
+    clock.t = 5.0
+    young = leases.open(_hashes(4), num_tokens=128)
+    clock.t = 10.5
+    assert leases.expire() == 1 and old.outcome == "expired" and young.outcome is None
+    assert not leases.finish(old.ticket), "a late success after expiry is a duplicate, not a second release"
+    clock.t = 16.0
+    leases.open(_hashes(5), num_tokens=128)  # opening sweeps too
+    assert young.outcome == "expired" and r.num_in_flight == 1
+    assert leases.counts["expired"] == 2 and leases.counts["duplicates"] == 1
+
+
+def test_allowed_pins_to_the_best_allowed_worker() -> None:
+    r = _router(3)
+    h = _hashes(6)
+    r.index.store(0, h)
+    r.index.store(1, h[:4])
+    leases = LeaseTable(r)
+    assert leases.open(h, num_tokens=128).worker == 0
+    lease = leases.open(h, num_tokens=128, allowed={1, 2})
+    assert lease.worker == 1, "the allowed worker with the longer prefix"
+    with pytest.raises(kvroute.NoWorkersError):
+        leases.open(h, num_tokens=128, allowed={7})
+    assert r.num_in_flight == 2, "the decision outside `allowed` was taken back"
+
+
+def test_rejection_leases_nothing() -> None:
+    r = kvroute.Router(block_size=16, ttft_slo=0.001)
+    r.add_worker(0, prefill_tokens_per_s=100.0)
+    leases = LeaseTable(r)
+    with pytest.raises(RequestRejected, match="rejected_ttft"):
+        leases.open(_hashes(7), num_tokens=128)
+    assert len(leases) == 0 and r.num_in_flight == 0
+
+
+def test_duplicate_ticket_and_bad_ttl() -> None:
+    leases = LeaseTable(_router())
+    leases.open(_hashes(8), num_tokens=128, ticket="t")
+    with pytest.raises(ValueError, match="already leased"):
+        leases.open(_hashes(8), num_tokens=128, ticket="t")
+    with pytest.raises(ValueError, match="ttl"):
+        LeaseTable(_router(), ttl=0)
+
+
+def test_threads_and_asyncio_release_each_lease_once() -> None:
+    r = _router(4)
+    leases = LeaseTable(r, ttl=60.0)
+    tickets = [leases.open(_hashes(i), num_tokens=128).ticket for i in range(400)]
+    wins: list[int] = []
+    lock = threading.Lock()
+
+    def settle(outcome: str) -> None:
+        n = sum(leases.release(t, outcome) for t in tickets)  # type: ignore[arg-type]
+        with lock:
+            wins.append(n)
+
+    async def settle_async() -> None:
+        n = 0
+        for t in tickets:
+            n += leases.finish(t)
+            await asyncio.sleep(0)
+        with lock:
+            wins.append(n)
+
+    threads = [threading.Thread(target=settle, args=(o,)) for o in ("finished", "failed", "cancelled", "expired")]
+    threads.append(threading.Thread(target=lambda: asyncio.run(settle_async())))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sum(wins) == 400 and leases.counts["duplicates"] == 4 * 400
+    assert r.num_in_flight == 0 and len(leases) == 0
+
+
+# ---- EngineRouter ----------------------------------------------------------------------------
+
+
+def _chat(system: str, turns: int) -> dict[str, object]:
+    msgs = [{"role": "system", "content": system}]
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"question {i} " * 10})
+    return {"messages": msgs, "max_tokens": 8}
+
+
+def test_engine_router_routes_by_prefix_in_approximate_mode() -> None:
+    er = EngineRouter(block_size=16)
+    for k in ("a", "b", "c"):
+        er.add(k, f"http://127.0.0.1:1/{k}")
+    first: dict[int, str] = {}
+    for conv in range(6):
+        lease = er.lease(_chat(f"system prompt {conv} " * 60, 1), chat=True)
+        first[conv] = er.engine_of(lease).key
+        er.leases.finish(lease.ticket)
+    assert len(set(first.values())) == 3, "distinct prefixes spread over the engines"
+    for conv in range(6):
+        lease = er.lease(_chat(f"system prompt {conv} " * 60, 2), chat=True)
+        assert er.engine_of(lease).key == first[conv], "a conversation's next turn goes where its prefix is"
+        assert lease.decision.overlap_blocks > 0
+        er.leases.finish(lease.ticket)
+
+
+def test_engine_router_candidates_exclusion_and_cooldown() -> None:
+    clock = Clock()
+    er = EngineRouter(block_size=16, failure_cooldown=5.0, clock=clock)
+    er.add("a", "http://127.0.0.1:1")
+    er.add("b", "http://127.0.0.1:2")
+    body = {"prompt": "p" * 2000}
+    lease = er.lease(body, chat=False)
+    home = er.engine_of(lease).key
+    other = "b" if home == "a" else "a"
+    er.leases.finish(lease.ticket)
+    assert er.engine_of(er.lease(body, chat=False, exclude=[home])).key == other
+    assert er.engine_of(er.lease(body, chat=False, candidates=[other])).key == other
+    er.mark_failed(home)
+    assert er.engine_of(er.lease(body, chat=False)).key == other, "a failed engine cools down"
+    assert er.engine_of(er.lease(body, chat=False, candidates=[home])).key == home, "unless it is the only candidate"
+    clock.t = 6.0
+    assert not er.cooling_down(home)
+    with pytest.raises(NoCandidates):
+        er.lease(body, chat=False, candidates=["a", "b"], exclude=["a", "b"])
+    with pytest.raises(NoCandidates):
+        er.lease(body, chat=False, candidates=["zz"])
+    with pytest.raises(BadRequest):
+        er.lease({"messages": []}, chat=True)
+
+
+def test_engine_router_bad_engines() -> None:
+    er = EngineRouter(block_size=16)
+    with pytest.raises(ValueError, match="url"):
+        er.add("a", "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="exact mode"):
+        er.add("a", "http://127.0.0.1:8000", kv_events="tcp://127.0.0.1:5557")
+    er.add("a", "http://127.0.0.1:8000")
+    assert er.add("a", "http://127.0.0.1:8000/").worker == 0
+    with pytest.raises(ValueError, match="already registered"):
+        er.add("a", "http://127.0.0.1:9000")
+    er.remove("a")
+    assert er.get("a") is None and er.router.workers() == []
+
+
+def test_engine_metrics_feed_the_router() -> None:
+    aiohttp = pytest.importorskip("aiohttp")
+    del aiohttp
+    from kvroute.gateway.mock import MockWorker
+
+    async def run() -> None:
+        w = MockWorker("m")
+        url = await w.start()
+        try:
+            er = EngineRouter(block_size=16)
+            e = er.add("m", url)
+            w.in_flight = 5  # what other routers' requests look like from here
+            seen = await asyncio.get_running_loop().run_in_executor(None, er.poll_metrics, e)
+            assert seen is not None and seen["running"] == 5.0
+            assert er.router.load(e.worker)["observed_running"] == 5
+            w.in_flight = 0
+        finally:
+            await w.stop()
+        assert await asyncio.get_running_loop().run_in_executor(None, er.poll_metrics, e) is None, "a dead engine: no figures, no error"
+
+    asyncio.run(run())
