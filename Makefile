@@ -26,4 +26,4 @@ bench-peers:
 	$(VENV)/bin/pip install -q "ai-dynamo-runtime==1.6.1"
 e2e:
 	KVROUTE_E2E_BED=$(E2E_BED) e2e/build_bed.sh
-	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e
+	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e tests/test_integration_litellm.py tests/test_integration_ray.py

@@ -222,7 +222,9 @@ class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ig
     ) -> Any:
         # The sync path has no healthy-list call: every deployment of the group, minus kvroute's own cool-downs.
         kw: dict[str, Any] = request_kwargs if request_kwargs is not None else {}
-        deployments = self.router.get_model_list(model_name=model) or []
+        # LiteLLM 1.110 deprecates get_model_list for registry().deployments (same list); older ones lack registry().
+        registry = getattr(self.router, "registry", None)
+        deployments = (registry().deployments(model) if registry is not None else self.router.get_model_list(model_name=model)) or []
         return self.callback.pick(model, deployments, messages, input, kw)
 
 
