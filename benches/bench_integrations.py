@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# Serve kills a proxy not ready within 5 s; a loaded 2-core host needs more (tests/conftest.py does the same).
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_real_engines import MAX_TOKENS, Conversation, Result, counters, drive, reset, vocabulary, workload

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Ray Serve kills a proxy that is not ready within 5 s (then serve.start fails with ActorDiedError);
+# on a loaded 2-core CI host a proxy takes longer to start. Give Serve's own checks room (the tests'
+# waits stay bounded by their own timeouts). Set before any test module starts a Ray cluster.
+for _var in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+    os.environ.setdefault(_var, "60")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

@@ -1,4 +1,4 @@
-"""kvroute.integrations.litellm on fake engines (tests/openai_engine.py, real sockets on 127.0.0.1):
+"""kvroute.integrations.litellm on fake engines (kvroute.gateway.mock, real sockets on 127.0.0.1):
 the Router strategy and the proxy callback route by prefix, fail over past a dead engine, release
 each lease exactly once (success, failure, abandoned stream via TTL) and stay error-free under
 concurrency. Skips without litellm (``pip install 'kvroute[litellm]'``)."""
@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from kvroute.engines import EngineRouter
+from kvroute.gateway.mock import MockWorker
 from kvroute.integrations.litellm import LEASES_KEY, KvrouteProxyHandler, KvrouteStrategy
-from openai_engine import ChatEngine
 
 
 class Clock:
@@ -36,14 +36,14 @@ def run(coro: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(coro(), 120))
 
 
-async def _engines(n: int) -> list[ChatEngine]:
-    ws = [ChatEngine(f"e{i}") for i in range(n)]
+async def _engines(n: int) -> list[MockWorker]:
+    ws = [MockWorker(f"e{i}") for i in range(n)]
     for w in ws:
         await w.start()
     return ws
 
 
-def _model_list(ws: list[ChatEngine]) -> list[dict[str, Any]]:
+def _model_list(ws: list[MockWorker]) -> list[dict[str, Any]]:
     return [
         {
             "model_name": "m",
@@ -231,7 +231,7 @@ def test_ticket_rides_in_metadata() -> None:
 
 
 def test_sync_completion_path() -> None:
-    async def start() -> list[ChatEngine]:
+    async def start() -> list[MockWorker]:
         return await _engines(2)
 
     loop = asyncio.new_event_loop()

@@ -232,10 +232,13 @@ class MockWorker:
         sent: list[bytes] = []
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for i, word in enumerate(words):
+        # Every stream ends with a finish_reason on its last chunk, as engines send it (strict clients
+        # such as LiteLLM's reject a stream without one); an empty answer is one empty chunk.
+        for i, word in enumerate(words or [""]):
             if self.token_delay and i:
                 await asyncio.sleep(self.token_delay)
             delta = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+            delta["finish_reason"] = "length" if i == max(len(words), 1) - 1 else None
             chunk = {
                 "id": rid,
                 "object": "chat.completion.chunk" if chat else "text_completion",
