@@ -14,24 +14,18 @@ pytest.importorskip("aiohttp")
 import asyncio
 import json
 import os
-import socket
 import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from kvroute.gateway.mock import MockWorker
 from kvroute.integrations.ray_serve import build_app
+from serve_app import ServeApp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Cluster(ServeApp):
+    """Two mock engines on an event loop of their own, behind a two-ingress kvroute Serve app."""
 
-
-class Cluster:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -39,39 +33,17 @@ class Cluster:
         self.engines = [MockWorker(f"e{i}") for i in range(2)]
         for e in self.engines:
             asyncio.run_coroutine_threadsafe(e.start(), self.loop).result(10)
-        self.port = _free_port()
         src = str(Path(__file__).resolve().parents[1] / "python")
         path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs={"block_size": 16}, ingress_replicas=2)
+        super().__init__(app, env_vars={"PYTHONPATH": path}, timeout=60.0)
 
     def close(self) -> None:
-        serve.shutdown()
-        ray.shutdown()
+        super().close()
         for e in self.engines:
             asyncio.run_coroutine_threadsafe(e.stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
-
-    def post(self, body: dict[str, Any]) -> tuple[str, bytes]:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.headers["x-kvroute-ingress"], r.read()
-
-    def routers(self) -> dict[str, list[dict[str, Any]]]:
-        """Each ingress replica's kvroute routers (asks until both replicas answered, bounded)."""
-        seen: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(50):
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/kvroute/routers", timeout=30) as r:
-                out = json.loads(r.read())
-            seen[out["replica"]] = out["routers"]
-            if len(seen) == 2:
-                break
-        return seen
 
 
 def wait_released(cluster: Cluster) -> None:
@@ -87,11 +59,6 @@ def wait_released(cluster: Cluster) -> None:
 def cluster() -> Iterator[Cluster]:
     c = Cluster()
     try:
-        serve.run(
-            build_app([{"engine_url": e.url} for e in c.engines], request_router_kwargs={"block_size": 16}, ingress_replicas=2),
-            name="kvroute",
-            route_prefix="/",
-        )
         yield c
     finally:
         c.close()

@@ -100,6 +100,17 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) ->
         return status, raw.decode(errors="replace")
 
 
+def chat_turns(conv: int, turn: int) -> list[dict[str, str]]:
+    """Conversation ``conv`` up to user turn ``turn``: a system prompt of its own (several blocks), then
+    alternating user questions and short assistant answers, so each turn extends the previous prompt."""
+    msgs = [{"role": "system", "content": f"You are helper {conv}. " + "Answer briefly and precisely, citing sources. " * 8}]
+    for t in range(turn + 1):
+        msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}?"})
+        if t < turn:
+            msgs.append({"role": "assistant", "content": f"Answer {t}."})
+    return msgs
+
+
 def poll(pred: Any, timeout: float, what: str, interval: float = 0.02) -> None:
     """Waits until ``pred()`` is true (bounded; raises TimeoutError naming ``what``): engines publish KV
     events on their next scheduler step, so tests synchronise on the state they expect, never on a sleep."""

@@ -23,7 +23,7 @@ import litellm
 import pytest
 from kvroute.engines import EngineRouter
 from kvroute.integrations.litellm import KvrouteProxyHandler, KvrouteStrategy
-from vllm_bed import BLOCK_SIZE, MODEL_NAME, poll
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, chat_turns, poll
 
 EVENT_WAIT = 15.0
 
@@ -37,15 +37,6 @@ def model_list(engines: list[vllm_bed.Engine]) -> list[dict[str, Any]]:
         }
         for e in engines
     ]
-
-
-def conversation(conv: int, turn: int) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": f"You are helper {conv}. " + "Answer briefly and precisely, citing sources. " * 8}]
-    for t in range(turn + 1):
-        msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}?"})
-        if t < turn:
-            msgs.append({"role": "assistant", "content": f"Answer {t}."})
-    return msgs
 
 
 class Host:
@@ -111,22 +102,22 @@ def test_routes_by_prefix(host: Host) -> None:
     async def body() -> None:
         homes: dict[int, vllm_bed.Engine] = {}
         for conv in range(4):
-            r = await host.router.acompletion(model="tiny", messages=conversation(conv, 0), max_tokens=4, temperature=0)
+            r = await host.router.acompletion(model="tiny", messages=chat_turns(conv, 0), max_tokens=4, temperature=0)
             assert r.choices[0].message.content is not None
             homes[conv] = host.engine(r)
         assert len({e.name for e in homes.values()}) == 2, "four distinct prefixes spread over both engines"
         for conv in range(4):
-            await held(host, conversation(conv, 0), homes[conv])
+            await held(host, chat_turns(conv, 0), homes[conv])
         hits0 = sum(e.metric("vllm:prefix_cache_hits_total") for e in host.engines)
         for turn in (1, 2):
             for conv in range(4):
                 stream = await host.router.acompletion(
-                    model="tiny", messages=conversation(conv, turn), max_tokens=4, temperature=0, stream=True
+                    model="tiny", messages=chat_turns(conv, turn), max_tokens=4, temperature=0, stream=True
                 )
                 chunks = [c async for c in stream]
                 assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
                 assert host.engine(stream) is homes[conv], f"conversation {conv} turn {turn} left its prefix's engine"
-                await held(host, conversation(conv, turn), homes[conv])
+                await held(host, chat_turns(conv, turn), homes[conv])
         hits = sum(e.metric("vllm:prefix_cache_hits_total") for e in host.engines) - hits0
         assert hits >= 8 * 2 * BLOCK_SIZE, f"engine-side prefix hits {hits} tokens: the follow-up turns missed their prefix"
         await host.settled()
@@ -139,16 +130,16 @@ def test_routes_by_prefix(host: Host) -> None:
 
 def test_fails_over_past_a_dead_engine(host: Host) -> None:
     async def body() -> None:
-        await host.router.acompletion(model="tiny", messages=conversation(9, 0), max_tokens=4, temperature=0)
+        await host.router.acompletion(model="tiny", messages=chat_turns(9, 0), max_tokens=4, temperature=0)
         # The engine holding conversation 9's prefix, as the index (the engines' KV events) says.
-        p = host.er.prompter.prompt({"messages": conversation(9, 1)}, True)
+        p = host.er.prompter.prompt({"messages": chat_turns(9, 1)}, True)
         await asyncio.to_thread(poll, lambda: len(host.er.router.index.match(p.hashes)) > 0, EVENT_WAIT, "the first turn's KV events")
         worker = max(host.er.router.index.match(p.hashes).items(), key=lambda kv: kv[1])[0]
         home = next(e for e in host.engines if host.er.get(e.name).worker == worker)  # type: ignore[union-attr]
         other = next(e for e in host.engines if e is not home)
         home.stop(signal.SIGKILL)
         for turn in range(1, 4):
-            r = await host.router.acompletion(model="tiny", messages=conversation(9, turn), max_tokens=4, temperature=0)
+            r = await host.router.acompletion(model="tiny", messages=chat_turns(9, turn), max_tokens=4, temperature=0)
             assert r.choices[0].message.content is not None
             assert host.engine(r) is other
         await host.settled()
@@ -163,7 +154,7 @@ def test_abandoned_stream_expires(live_engines: list[vllm_bed.Engine]) -> None:
     h = Host(live_engines, proxy=False, lease_ttl=2.0)
 
     async def body() -> None:
-        stream = await h.router.acompletion(model="tiny", messages=conversation(5, 0), max_tokens=200, temperature=0, stream=True)
+        stream = await h.router.acompletion(model="tiny", messages=chat_turns(5, 0), max_tokens=200, temperature=0, stream=True)
         it = stream.__aiter__()
         await it.__anext__()
         del stream, it  # the client walks away mid-stream: LiteLLM reports nothing
@@ -181,7 +172,7 @@ def test_abandoned_stream_expires(live_engines: list[vllm_bed.Engine]) -> None:
 def test_concurrent_requests_no_errors(host: Host) -> None:
     async def body() -> None:
         async def one(i: int) -> None:
-            msgs = conversation(i % 6, i // 6)
+            msgs = chat_turns(i % 6, i // 6)
             if i % 2:
                 stream = await host.router.acompletion(model="tiny", messages=msgs, max_tokens=4, temperature=0, stream=True)
                 async for _ in stream:

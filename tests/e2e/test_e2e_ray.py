@@ -11,51 +11,26 @@ import vllm_bed
 vllm_bed.skip_unless_bed()
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
-import ray
 from kvroute.integrations.ray_serve import build_app
-from ray import serve
-from vllm_bed import BLOCK_SIZE, MODEL_NAME, free_port, poll
+from serve_app import ServeApp
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, chat_turns, poll
 
 
-class App:
+class App(ServeApp):
+    """The bed's engines behind a two-ingress kvroute Serve app (exact mode, every engine's KV events)."""
+
     def __init__(self, engines: list[vllm_bed.Engine]) -> None:
         self.engines = engines
-        self.port = free_port()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         specs = [{"engine_url": e.url, "kv_events": e.events, "kv_events_replay": e.replay} for e in engines]
         kwargs = {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5}
-        serve.run(build_app(specs, request_router_kwargs=kwargs, ingress_replicas=2), name="kvroute", route_prefix="/")
-
-    def close(self) -> None:
-        serve.shutdown()
-        ray.shutdown()
+        super().__init__(build_app(specs, request_router_kwargs=kwargs, ingress_replicas=2), env_vars={"OMP_NUM_THREADS": "1"})
 
     def chat(self, msgs: list[dict[str, str]], stream: bool) -> tuple[str, bytes]:
-        body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": stream}
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.headers["x-kvroute-ingress"], r.read()
-
-    def routers(self) -> dict[str, list[dict[str, Any]]]:
-        seen: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(50):
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/kvroute/routers", timeout=30) as r:
-                out = json.loads(r.read())
-            seen[out["replica"]] = out["routers"]
-            if len(seen) == 2:
-                break
-        return seen
+        return self.post({"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": stream})
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +42,6 @@ def app(engines: list[vllm_bed.Engine]) -> Iterator[App]:
         a.close()
 
 
-def conversation(conv: int, turn: int) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": f"You are helper {conv}. " + "Answer briefly and precisely, citing sources. " * 8}]
-    for t in range(turn + 1):
-        msgs.append({"role": "user", "content": f"Question {t} of conversation {conv}?"})
-        if t < turn:
-            msgs.append({"role": "assistant", "content": f"Answer {t}."})
-    return msgs
-
-
 def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
     for e in app.engines:
         e.reset_prefix_cache()
@@ -85,7 +51,7 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
     for turn in range(3):
         for conv in range(4):
             before = [e.metric("vllm:request_success_total") for e in app.engines]
-            ing, out = app.chat(conversation(conv, turn), stream=turn == 1)
+            ing, out = app.chat(chat_turns(conv, turn), stream=turn == 1)
             ingresses.add(ing)
             assert (b"[DONE]" in out) if turn == 1 else json.loads(out)["choices"][0]["finish_reason"] in ("length", "stop")
             # The engines count a finished request on their next metrics update: poll (bounded) for it.
@@ -106,7 +72,7 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
 
 def test_concurrent_requests_no_errors(app: App) -> None:
     def one(i: int) -> bytes:
-        return app.chat(conversation(i % 6, i // 6), stream=i % 2 == 0)[1]
+        return app.chat(chat_turns(i % 6, i // 6), stream=i % 2 == 0)[1]
 
     with ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(one, range(24)))

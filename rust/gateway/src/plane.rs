@@ -133,6 +133,19 @@ struct Worker {
 }
 
 impl Worker {
+    /// What the control plane and `/health` see of this worker now.
+    fn row(&self) -> WorkerRow {
+        WorkerRow {
+            id: self.id,
+            url: self.url.clone(),
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
+            healthy: self.healthy.load(Ordering::SeqCst),
+            in_flight: self.in_flight.load(Ordering::SeqCst),
+            served: self.served.load(Ordering::SeqCst),
+        }
+    }
+
     fn mark_down(&self) {
         self.down.send_modify(|n| *n += 1);
     }
@@ -342,21 +355,7 @@ impl DataPlane {
     }
 
     pub fn workers(&self) -> Vec<WorkerRow> {
-        let mut rows: Vec<WorkerRow> = self
-            .shared
-            .workers
-            .read()
-            .values()
-            .map(|w| WorkerRow {
-                id: w.id,
-                url: w.url.clone(),
-                role: w.role,
-                bootstrap_port: w.bootstrap_port,
-                healthy: w.healthy.load(Ordering::SeqCst),
-                in_flight: w.in_flight.load(Ordering::SeqCst),
-                served: w.served.load(Ordering::SeqCst),
-            })
-            .collect();
+        let mut rows: Vec<WorkerRow> = self.shared.workers.read().values().map(|w| w.row()).collect();
         rows.sort_by_key(|r| r.id);
         rows
     }
@@ -811,20 +810,7 @@ impl Shared {
     fn rows(&self) -> Vec<(WorkerRow, Option<kvroute_core::router::load::Observed>)> {
         let mut ws: Vec<Arc<Worker>> = self.workers.read().values().cloned().collect();
         ws.sort_by_key(|w| w.id);
-        ws.iter()
-            .map(|w| {
-                let row = WorkerRow {
-                    id: w.id,
-                    url: w.url.clone(),
-                    role: w.role,
-                    bootstrap_port: w.bootstrap_port,
-                    healthy: w.healthy.load(Ordering::SeqCst),
-                    in_flight: w.in_flight.load(Ordering::SeqCst),
-                    served: w.served.load(Ordering::SeqCst),
-                };
-                (row, self.router.load(w.id).ok().map(|l| l.observed))
-            })
-            .collect()
+        ws.iter().map(|w| (w.row(), self.router.load(w.id).ok().map(|l| l.observed))).collect()
     }
 
     fn metrics_text(&self) -> String {
