@@ -91,7 +91,7 @@ class Setup:
 
     async def settled(self, opened: int) -> None:
         """Outcome callbacks run as tasks after the response: wait (bounded) until every lease is released."""
-        for _ in range(500):
+        for _ in range(3000):  # up to 30 s: LiteLLM runs its logging callbacks late on a loaded host
             if self.er.leases.counts["opened"] == opened and len(self.er.leases) == 0:
                 return
             await asyncio.sleep(0.01)
@@ -252,7 +252,7 @@ def test_sync_completion_path() -> None:
             assert r.choices[0].message.content
             served += [w.name for w, b in zip(ws, before) if w.completed > b]
         assert len(set(served)) == 1, served
-        for _ in range(500):
+        for _ in range(3000):  # up to 30 s: the sync path's success callback runs on LiteLLM's thread pool
             if len(er.leases) == 0:
                 break
             threading.Event().wait(0.01)

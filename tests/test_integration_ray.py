@@ -13,10 +13,8 @@ pytest.importorskip("aiohttp")
 
 import asyncio
 import json
-import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 from kvroute.gateway.mock import MockWorker
 from kvroute.integrations.ray_serve import build_app
@@ -33,10 +31,10 @@ class Cluster(ServeApp):
         self.engines = [MockWorker(f"e{i}") for i in range(2)]
         for e in self.engines:
             asyncio.run_coroutine_threadsafe(e.start(), self.loop).result(10)
-        src = str(Path(__file__).resolve().parents[1] / "python")
-        path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+        # Serve's workers run this interpreter, so they import the kvroute installed here (never the
+        # source tree: it has no built _core outside an editable install).
         app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs={"block_size": 16}, ingress_replicas=2)
-        super().__init__(app, env_vars={"PYTHONPATH": path}, timeout=60.0)
+        super().__init__(app, timeout=60.0)
 
     def close(self) -> None:
         super().close()
