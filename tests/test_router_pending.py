@@ -59,7 +59,7 @@ def test_callers_that_never_call_finished_stay_bounded():
         r.route(prompt(100 + i, 640), now=i * 0.1, request_id=i)
         most = max(most, r.num_pending_blocks(now=i * 0.1))
     assert most <= 21 * 10  # at most the prefixes routed within one TTL
-    assert r.num_pending_blocks(now=49.9 + 2.0) == 0
+    assert r.num_pending_blocks(now=50.0 + 2.0) == 0
 
 
 def test_bad_pending_settings_are_rejected():

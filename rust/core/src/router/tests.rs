@@ -816,7 +816,7 @@ fn callers_that_never_report_are_bounded_by_the_ttl() {
         tracked(&r, &prompt(1000 + i as u32, 640), i as f64 * 0.1, i);
         assert!(r.num_pending_blocks(Some(i as f64 * 0.1)).unwrap() <= 21 * 10);
     }
-    assert_eq!(r.num_pending_blocks(Some(99.9 + 2.0)).unwrap(), 0);
+    assert_eq!(r.num_pending_blocks(Some(100.0 + 2.0)).unwrap(), 0);
     let st = r.state.lock();
     assert_eq!((st.pending.num_entries(), st.pending.num_blocks()), (0, 0));
 }
