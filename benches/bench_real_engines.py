@@ -443,7 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fronts.append(("kvroute (default policy)", lambda: Gateway(bed, engines, exact, name="kvroute-default"), ""))
             elif want == "kvroute+nopending":
                 args = [*exact, "--no-pending-prefixes"]
-                fronts.append(("kvroute (default, no pending prefixes)", lambda args=args: Gateway(bed, engines, args, name="kvroute-nopend"), None))
+                fronts.append(
+                    ("kvroute (default, no pending prefixes)", lambda args=args: Gateway(bed, engines, args, name="kvroute-nopend"), None)
+                )
             elif want == "round_robin" or want.startswith("kvroute:"):
                 pol = want.split(":", 1)[1] if ":" in want else want
                 fronts.append(
