@@ -496,6 +496,9 @@ impl Router {
             }
         }
         if cfg.pending_prefixes {
+            // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
+            // holds only what the index lacked when it was routed). Workers without an index
+            // prefix share one walk from block 0; each worker with one continues from its end.
             st.pending.expire(now);
             let State { pending, pending_alive, overlaps, pos, .. } = st;
             pending.overlaps(hashes, pending_alive, |w, d| {
@@ -503,6 +506,11 @@ impl Router {
                     overlaps[at] = overlaps[at].max(d);
                 }
             });
+            for (w, &d) in matches.workers.iter().zip(&matches.depths) {
+                if let Some(&at) = pos.get(w) {
+                    overlaps[at] = overlaps[at].max(d + pending.run_from(hashes, d as usize, *w));
+                }
+            }
         }
         let kv_need = (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs);
         let pd = st.workers.iter().any(|w| w.spec.role == Role::Decode);
@@ -664,11 +672,12 @@ impl Router {
         // the predicted prefill end, the only end the router will know.
         let pending = if cfg.pending_prefixes {
             let full = ((num_tokens / bs) as usize).min(hashes.len());
+            let indexed = matches.workers.iter().position(|&w| w == c.worker).map_or(0, |i| matches.depths[i] as usize).min(full);
             let until = match req.request_id {
                 Some(_) => now + cfg.pending_ttl_s,
                 None => done_at.max(now) + cfg.pending_grace_s,
             };
-            st.pending.add(c.worker, &hashes[..full], until)
+            st.pending.add(c.worker, &hashes[indexed..full], until)
         } else {
             None
         };

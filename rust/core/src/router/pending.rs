@@ -16,60 +16,72 @@ use hashbrown::HashMap;
 use crate::index::WorkerId;
 
 /// The workers a block hash is pending on, each with how many routed requests hold it there.
-/// Almost always one worker: stored inline, a Vec only when a block is pending on several.
-#[derive(Debug)]
-enum Holders {
-    One(WorkerId, u32),
-    Many(Vec<(WorkerId, u32)>),
+/// Up to `INLINE` workers are stored inline (no allocation on the route path); more spill to a Vec.
+#[derive(Debug, Default)]
+struct Holders {
+    inline: [(WorkerId, u32); INLINE],
+    len: u8,
+    more: Vec<(WorkerId, u32)>,
 }
 
+const INLINE: usize = 4;
+
 impl Holders {
+    fn one(w: WorkerId) -> Self {
+        let mut h = Holders::default();
+        h.inline[0] = (w, 1);
+        h.len = 1;
+        h
+    }
+
+    fn slots(&self) -> impl Iterator<Item = &(WorkerId, u32)> {
+        self.inline[..self.len as usize].iter().chain(self.more.iter())
+    }
+
     fn contains(&self, w: WorkerId) -> bool {
-        match self {
-            Holders::One(x, _) => *x == w,
-            Holders::Many(v) => v.iter().any(|(x, _)| *x == w),
-        }
+        self.slots().any(|(x, _)| *x == w)
     }
 
     fn add(&mut self, w: WorkerId) {
-        match self {
-            Holders::One(x, n) if *x == w => *n += 1,
-            Holders::One(x, n) => {
-                let first = (*x, *n);
-                *self = Holders::Many(vec![first, (w, 1)]);
-            }
-            Holders::Many(v) => match v.iter_mut().find(|(x, _)| *x == w) {
-                Some((_, n)) => *n += 1,
-                None => v.push((w, 1)),
-            },
+        let n = self.len as usize;
+        if let Some(s) = self.inline[..n].iter_mut().chain(self.more.iter_mut()).find(|(x, _)| *x == w) {
+            s.1 += 1;
+        } else if n < INLINE {
+            self.inline[n] = (w, 1);
+            self.len += 1;
+        } else {
+            self.more.push((w, 1));
         }
     }
 
     /// Drops one hold of `w`; true when no worker holds the block any more.
     fn release(&mut self, w: WorkerId) -> bool {
-        match self {
-            Holders::One(x, n) if *x == w => {
-                *n -= 1;
-                *n == 0
-            }
-            Holders::One(..) => false,
-            Holders::Many(v) => {
-                if let Some(i) = v.iter().position(|(x, _)| *x == w) {
-                    v[i].1 -= 1;
-                    if v[i].1 == 0 {
-                        v.swap_remove(i);
-                    }
+        let n = self.len as usize;
+        if let Some(i) = self.inline[..n].iter().position(|(x, _)| *x == w) {
+            self.inline[i].1 -= 1;
+            if self.inline[i].1 == 0 {
+                self.inline.swap(i, n - 1);
+                self.len -= 1;
+                if let Some(m) = self.more.pop() {
+                    self.inline[n - 1] = m;
+                    self.len += 1;
                 }
-                v.is_empty()
+            }
+        } else if let Some(i) = self.more.iter().position(|(x, _)| *x == w) {
+            self.more[i].1 -= 1;
+            if self.more[i].1 == 0 {
+                self.more.swap_remove(i);
             }
         }
+        self.len == 0
     }
 
     fn for_each(&self, mut f: impl FnMut(WorkerId)) {
-        match self {
-            Holders::One(x, _) => f(*x),
-            Holders::Many(v) => v.iter().for_each(|(x, _)| f(*x)),
-        }
+        self.slots().for_each(|(x, _)| f(*x));
+    }
+
+    fn num_workers(&self) -> usize {
+        self.len as usize + self.more.len()
     }
 }
 
@@ -124,7 +136,7 @@ impl PendingPrefixes {
         let tag = self.next;
         self.next += 1;
         for &h in hashes {
-            self.blocks.entry(h).and_modify(|x| x.add(worker)).or_insert(Holders::One(worker, 1));
+            self.blocks.entry(h).and_modify(|x| x.add(worker)).or_insert_with(|| Holders::one(worker));
         }
         let mut list = self.spare.pop().unwrap_or_default();
         list.extend_from_slice(hashes);
@@ -212,15 +224,16 @@ impl PendingPrefixes {
         alive.iter().for_each(|&w| f(w, depth));
     }
 
+    /// How many blocks of `hashes` from `start` on are pending on `worker`, consecutively.
+    pub fn run_from(&self, hashes: &[u64], start: usize, worker: WorkerId) -> u32 {
+        hashes
+            .get(start..)
+            .map_or(0, |tail| tail.iter().take_while(|h| self.blocks.get(*h).is_some_and(|x| x.contains(worker))).count() as u32)
+    }
+
     /// Distinct (block, worker) pairs pending.
     pub fn num_blocks(&self) -> usize {
-        self.blocks
-            .values()
-            .map(|x| match x {
-                Holders::One(..) => 1,
-                Holders::Many(v) => v.len(),
-            })
-            .sum()
+        self.blocks.values().map(Holders::num_workers).sum()
     }
 
     /// Routed requests with a pending prefix.
@@ -279,6 +292,21 @@ mod tests {
         p.remove(a);
         assert_eq!((p.num_entries(), p.num_blocks()), (0, 0));
         assert!(p.add(3, &[], 1.0).is_none());
+    }
+
+    #[test]
+    fn more_holders_than_fit_inline_spill_and_come_back() {
+        let mut p = PendingPrefixes::default();
+        let tags: Vec<u64> = (0..7).map(|w| p.add(w, &[5, 6], 9.0).unwrap()).collect();
+        assert_eq!(depths(&p, &[5, 6]), (0..7).map(|w| (w, 2)).collect::<Vec<_>>());
+        for &t in &tags[..3] {
+            p.remove(t);
+        }
+        assert_eq!(depths(&p, &[5, 6]), (3..7).map(|w| (w, 2)).collect::<Vec<_>>());
+        for &t in &tags[3..] {
+            p.remove(t);
+        }
+        assert_eq!(p.num_blocks(), 0);
     }
 
     #[test]

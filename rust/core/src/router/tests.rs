@@ -841,3 +841,21 @@ fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
     r.add_worker(d.worker, WorkerSpec::default()).unwrap();
     assert_eq!(route(&r, &p, 0.0).overlap_blocks, 0);
 }
+
+#[test]
+fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
+    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let p = prompt(38, 640);
+    store(&r, 1, &p[..512]); // the index: 8 of the 10 blocks on worker 1
+    let d = tracked(&r, &p, 0.0, 1);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 8));
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 2);
+    let d = tracked(&r, &p, 0.0, 2);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 10));
+    // The index loses the prefix (evicted): the pending tail alone is no prefix.
+    r.index().remove(1, &sequence_hashes(&p[..512], 64, crate::DEFAULT_SEED, None), ANY_TIER);
+    assert_eq!(tracked(&r, &p, 0.0, 3).overlap_blocks, 0);
+}
