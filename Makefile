@@ -26,4 +26,7 @@ bench-peers:
 	$(VENV)/bin/pip install -q "ai-dynamo-runtime==1.6.1"
 e2e:
 	KVROUTE_E2E_BED=$(E2E_BED) e2e/build_bed.sh
-	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e tests/test_integration_litellm.py tests/test_integration_ray.py
+	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e
+	# The integrations' fake-engine tests need litellm and ray, which only the bed has; a process of their
+	# own, because LiteLLM keeps global state (callbacks, its logging worker) that the e2e LiteLLM tests leave behind.
+	$(E2E_BED)/venv/bin/python -m pytest tests/test_integration_litellm.py tests/test_integration_ray.py
