@@ -977,12 +977,13 @@ async fn unified(call: &Call<'_>, worker: WorkerId, mut lease: Lease, adm: Admis
 /// The client's response relaying worker `w`'s answer; `hold` (with the admission) lives until its end.
 fn relay(sh: &Arc<Shared>, w: &Arc<Worker>, opened: Opened, mut hold: Hold, adm: Admission) -> Response<PlaneBody> {
     let (status, content_type, first, rest) = opened;
-    let sse = content_type.as_bytes().starts_with(b"text/event-stream");
+    let sse = is_sse(&content_type);
     hold.adm = Some(adm.with_outcome(status_class(status)));
     let mut body = PlaneBody::full(first);
     body.upstream = rest;
     body.read_timeout = Some(sh.cfg.read_timeout);
-    body.on_break = Some(Break { sh: sh.clone(), worker: w.clone(), sse });
+    body.on_break = Some(Break { sh: sh.clone(), worker: w.clone() });
+    body.sse = sse.then(SseEnd::default);
     body.down = Some(w.went_down());
     body.hold = Some(hold);
     let mut resp = Response::new(body);
@@ -1049,6 +1050,9 @@ async fn open(sh: &Shared, w: &Worker, path: &str, headers: &HeaderMap, raw: &By
     loop {
         match tokio::time::timeout(rt, body.frame()).await {
             Err(_) => return Err(format!("response broke before the first byte: no data for {rt:?}")),
+            Ok(None) if parts.status.is_success() && is_sse(&content_type) => {
+                return Err("the event stream ended before its first byte".to_string());
+            }
             Ok(None) => return Ok((parts.status, content_type, Bytes::new(), None)),
             Ok(Some(Err(e))) => return Err(format!("response broke before the first byte: {e}")),
             Ok(Some(Ok(f))) => match f.into_data() {
@@ -1114,7 +1118,53 @@ struct Hold {
 struct Break {
     sh: Arc<Shared>,
     worker: Arc<Worker>,
-    sse: bool,
+}
+
+/// Whether a response is an SSE stream.
+fn is_sse(content_type: &HeaderValue) -> bool {
+    content_type.as_bytes().starts_with(b"text/event-stream")
+}
+
+/// Where an OpenAI SSE stream stands. Its last event is `data: [DONE]`, and before it the last
+/// chunk of each choice carries a `finish_reason`: a stream that ends before `[DONE]`, or reaches
+/// `[DONE]` with no `finish_reason` (a SIGTERMed vLLM ends its open streams so), was cut short.
+/// Both markers are found even when split across frames.
+#[derive(Default)]
+struct SseEnd {
+    /// The last bytes of the stream's last frame holding more than whitespace.
+    tail: Vec<u8>,
+    /// A chunk with a `finish_reason` has passed.
+    finished: bool,
+    /// `data: [DONE]` has passed.
+    done: bool,
+}
+
+impl SseEnd {
+    /// Bytes kept between frames: more than either marker and the whitespace around `[DONE]`.
+    const KEEP: usize = 32;
+
+    /// Takes the next frame; when it completes `data: [DONE]`, where in the frame that event starts
+    /// (0 when it began in an earlier frame).
+    fn push(&mut self, d: &[u8]) -> Option<usize> {
+        if !d.iter().any(|b| !b.is_ascii_whitespace()) {
+            return None;
+        }
+        if !self.finished {
+            // A JSON key, so its quotes are never escaped: content text cannot fake it.
+            let seam = [&self.tail[..], &d[..d.len().min(Self::KEEP)]].concat();
+            self.finished = [&seam[..], d].iter().any(|h| {
+                memchr::memmem::find(h, b"\"finish_reason\":\"").is_some() || memchr::memmem::find(h, b"\"finish_reason\": \"").is_some()
+            });
+        }
+        self.tail.extend_from_slice(&d[d.len().saturating_sub(Self::KEEP)..]);
+        let cut = self.tail.len().saturating_sub(Self::KEEP);
+        self.tail.drain(..cut);
+        if self.done || !sse_done(&self.tail) {
+            return None;
+        }
+        self.done = true;
+        Some(memchr::memmem::rfind(d, b"data: [DONE]").unwrap_or(0))
+    }
 }
 
 /// The response body: a first chunk, then the upstream's frames as they come; ends (and releases
@@ -1125,6 +1175,8 @@ pub struct PlaneBody {
     read_timeout: Option<Duration>,
     timer: Option<Pin<Box<Sleep>>>,
     on_break: Option<Break>,
+    /// An SSE stream's progress towards its `data: [DONE]`.
+    sse: Option<SseEnd>,
     /// The relayed worker was marked unhealthy: end the stream now, not at the read timeout.
     down: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     hold: Option<Hold>,
@@ -1132,7 +1184,7 @@ pub struct PlaneBody {
 
 impl PlaneBody {
     fn full(data: Bytes) -> PlaneBody {
-        PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, down: None, hold: None }
+        PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, sse: None, down: None, hold: None }
     }
 
     /// The body reached its end: a hold's admission counts as completed, its lease as finished.
@@ -1150,22 +1202,36 @@ impl PlaneBody {
         }
     }
 
-    /// Relays `d`, first noting whether it ends an SSE stream.
+    /// Relays `d`, first noting whether it ends an SSE stream: with its answer complete, or cut short
+    /// (no `finish_reason` before `data: [DONE]`), which the client is told in place of the `[DONE]`.
     fn data(&mut self, d: Bytes) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        if self.on_break.as_ref().is_some_and(|b| b.sse) && sse_done(&d) {
-            self.answered();
+        let Some(s) = self.sse.as_mut() else { return Poll::Ready(Some(Ok(Frame::data(d)))) };
+        match s.push(&d) {
+            Some(_) if s.finished => self.answered(),
+            Some(at) => {
+                s.done = false; // not a complete answer: broken, as if it had ended here
+                let mut out = BytesMut::from(&d[..at]);
+                if let Some(ev) = self.broke("the stream reached `data: [DONE]` without a finish_reason") {
+                    out.extend_from_slice(&ev);
+                }
+                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+            }
+            None => {}
         }
         Poll::Ready(Some(Ok(Frame::data(d))))
     }
 
-    /// The upstream broke mid-stream: mark the worker, and for SSE tell the client in-band.
+    /// The upstream broke mid-stream: mark the worker, and for SSE tell the client in-band. After an
+    /// SSE stream's `data: [DONE]` the client has the whole answer: the stream just ends.
     fn broke(&mut self, reason: &str) -> Option<Bytes> {
         self.upstream = None;
-        let b = self.on_break.take()?;
-        b.sh.mark_unhealthy(&b.worker, &format!("stream broke: {reason}"));
-        if !b.sse {
+        if self.sse.as_ref().is_some_and(|s| s.done) {
+            self.on_break = None;
             return None;
         }
+        let b = self.on_break.take()?;
+        b.sh.mark_unhealthy(&b.worker, &format!("stream broke: {reason}"));
+        self.sse.as_ref()?;
         let msg = format!("upstream worker failed mid-stream: {reason}");
         let ev = serde_json::json!({"error": {"message": msg, "type": "upstream_error", "code": 502}});
         Some(Bytes::from(format!("data: {ev}\n\n")))
@@ -1208,7 +1274,16 @@ impl Body for PlaneBody {
                         _ => continue,
                     }
                 }
-                Poll::Ready(None) => this.upstream = None,
+                Poll::Ready(None) => {
+                    this.upstream = None;
+                    // An OpenAI stream ends with `data: [DONE]`; one that ends before it is cut
+                    // short (a SIGTERMed vLLM closes its open streams cleanly): say so in-band.
+                    if this.sse.as_ref().is_some_and(|s| !s.done) {
+                        if let Some(chunk) = this.broke("the stream ended before its final `data: [DONE]`") {
+                            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+                        }
+                    }
+                }
                 Poll::Ready(Some(Err(e))) => {
                     if this.on_break.is_none() {
                         // A forwarded response: abort the client's connection rather than end it cleanly.

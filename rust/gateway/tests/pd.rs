@@ -37,7 +37,8 @@ fn config(pd_convention: PdConvention) -> PlaneConfig {
     common::config(pd_convention)
 }
 
-const DECODED: &str = "data: {\"text\": \" one\"}\n\ndata: [DONE]\n\n";
+/// A decode engine's answer: its one chunk ends the choice (`finish_reason`), then `[DONE]`.
+const DECODED: &str = "data: {\"choices\": [{\"text\": \" one\", \"finish_reason\": \"length\"}]}\n\ndata: [DONE]\n\n";
 
 fn request(addr: SocketAddr, body: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();

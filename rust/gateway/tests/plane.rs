@@ -34,7 +34,9 @@ fn config() -> PlaneConfig {
     common::config(PdConvention::Vllm)
 }
 
-const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 23\r\n\r\ndata: one\n\ndata: [DONE]";
+/// An engine's whole stream: one chunk that ends its choice (`finish_reason`), then `[DONE]`.
+const SSE: &str = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 73\r\n\r\ndata: {\"choices\":[{\"text\":\"one\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]";
+const SSE_BODY: &str = "data: {\"choices\":[{\"text\":\"one\",\"finish_reason\":\"length\"}]}\n\ndata: [DONE]";
 
 #[test]
 fn refused_worker_is_retried_marked_and_load_released() {
@@ -63,7 +65,7 @@ fn refused_worker_is_retried_marked_and_load_released() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(resp.contains(&format!("X-Kvroute-Worker: http://{good}\r\n")), "{resp}");
     assert!(resp.contains("Transfer-Encoding: chunked\r\n"), "streamed as it comes: {resp}");
-    assert_eq!(dechunk(&resp), "data: one\n\ndata: [DONE]");
+    assert_eq!(dechunk(&resp), SSE_BODY);
     let (head, sent) = seen.lock().unwrap()[0].clone();
     assert_eq!(sent, body.as_bytes(), "the request body is passed on unchanged");
     assert!(head.to_ascii_lowercase().contains("authorization: bearer k"), "{head}");
@@ -123,7 +125,11 @@ fn a_stream_read_to_done_is_a_2xx_even_when_the_client_closes_before_its_end() {
     // client reads `data: [DONE]` and closes, as it does with real engines (issue #11: 5 of 20
     // finished streams were counted as disconnected).
     let fake = common::fake(|body| {
-        let events = if String::from_utf8_lossy(body).contains("unfinished") { "data: one\n\n" } else { "data: one\n\ndata: [DONE]\n\n" };
+        let events = if String::from_utf8_lossy(body).contains("unfinished") {
+            "data: one\n\n"
+        } else {
+            "data: {\"finish_reason\":\"stop\"}\n\ndata: [DONE]\n\n"
+        };
         Some(format!(
             "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n",
             events.len()
@@ -207,6 +213,90 @@ fn requests_on_a_worker_marked_unhealthy_end_at_once() {
     assert!(t0.elapsed() < Duration::from_secs(2), "answered {:?} after the worker went down", t0.elapsed());
     assert!(got.contains(&format!("X-Kvroute-Worker: http://{good}\r\n")), "{got}");
     drop(s);
+    common::poll("the requests' release", || dp.in_flight() == 0);
+    assert_eq!(router.num_in_flight(), 0);
+    dp.stop();
+}
+
+#[test]
+fn an_event_stream_cut_short_is_an_error_never_a_quiet_end() {
+    // An OpenAI stream ends each choice with a `finish_reason`, then sends `data: [DONE]`. A SIGTERMed
+    // vLLM may end its open streams with `[DONE]` but no `finish_reason` (the e2e fault test saw one),
+    // or close one cleanly before `[DONE]`: the client must learn that its answer is incomplete. A
+    // stream that ends before its first byte reached the client is retried on another worker.
+    let chunked = |chunks: &[&str]| {
+        let mut out = String::from("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
+        for c in chunks {
+            out.push_str(&format!("{:x}\r\n{c}\r\n", c.len()));
+        }
+        out + "0\r\n\r\n"
+    };
+    let split = chunked(&["data: one\n\ndata: {\"finish_rea", "son\": \"length\"}\n\ndata: [DO", "NE]", "\n\n"]);
+    let cut = chunked(&["data: one\n\n"]);
+    let unfinished = chunked(&["data: one\n\n", "data: {\"text\": \"\\\"finish_reason\\\":\\\"stop\\\"\"}\n\n", "data: [DONE]\n\n"]);
+    let empty = chunked(&[]);
+    let flaky = common::fake(move |body| {
+        let b = String::from_utf8_lossy(body);
+        Some(match () {
+            _ if b.contains("split") => split.clone(),
+            _ if b.contains("unfinished") => unfinished.clone(),
+            _ if b.contains("cut") => cut.clone(),
+            _ => empty.clone(),
+        })
+    });
+    let (good, good_seen) = fake_server(SSE);
+    let router = Arc::new(Router::new(RouterConfig::default(), None).unwrap());
+    router.add_worker(0, WorkerSpec::default()).unwrap();
+    router.add_worker(1, WorkerSpec::default()).unwrap();
+    let reasons = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let r2 = reasons.clone();
+    let hook = Box::new(move |w: u64, reason: &str| r2.lock().unwrap().push((w, reason.to_string())));
+    let dp = DataPlane::new(router.clone(), config(), Some(hook)).unwrap();
+    dp.add_worker(0, &format!("http://{}", flaky.addr), Role::Both, None).unwrap();
+    dp.add_worker(1, &format!("http://{good}"), Role::Both, None).unwrap();
+    let addr = dp.start(common::loopback(), None).unwrap();
+    let send = |what: &str| {
+        let body = format!(r#"{{"prompt": "{}", "stream": true}}"#, format!("{what} ").repeat(200));
+        let hashes = kvroute_gateway::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+        router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
+        request(addr, "POST /v1/completions HTTP/1.1", &body)
+    };
+    let back = || {
+        dp.set_healthy(0, true);
+        router.add_worker(0, WorkerSpec::default()).unwrap(); // as the owner's probe does
+    };
+    let cut_short = |got: &str, why: &str| {
+        assert!(got.starts_with("data: one\n\n") && got.ends_with("\"code\":502}}\n\n"), "the error ends the stream: {got}");
+        assert!(got.contains(&format!("upstream worker failed mid-stream: {why}")), "{got}");
+        assert!(!got.contains("\ndata: [DONE]"), "no [DONE] event: {got}");
+    };
+
+    // Both markers split across frames are still found: relayed as they came, no error.
+    let resp = send("split");
+    assert!(resp.contains(&format!("X-Kvroute-Worker: http://{}\r\n", flaky.addr)), "{resp}");
+    assert_eq!(dechunk(&resp), "data: one\n\ndata: {\"finish_reason\": \"length\"}\n\ndata: [DONE]\n\n");
+    assert!(reasons.lock().unwrap().is_empty(), "a complete stream blames no worker");
+
+    // A 200 event stream with no byte at all: nothing reached the client, so the next worker answers.
+    let resp = send("empty");
+    assert!(resp.contains(&format!("X-Kvroute-Worker: http://{good}\r\n")), "{resp}");
+    assert_eq!(dechunk(&resp), SSE_BODY);
+    assert_eq!(good_seen.lock().unwrap().len(), 1);
+    assert_eq!(reasons.lock().unwrap()[0], (0, "the event stream ended before its first byte".to_string()));
+
+    // Ended cleanly after its first event, before `[DONE]`: the in-band error, the worker marked.
+    back();
+    cut_short(&dechunk(&send("cut")), "the stream ended before its final `data: [DONE]`");
+    assert!(reasons.lock().unwrap()[1].1.starts_with("stream broke: the stream ended before"), "{:?}", reasons.lock().unwrap());
+    assert_eq!(router.workers(), vec![1], "the worker that cut its stream is out of routing until probed back");
+
+    // `[DONE]` with no `finish_reason` before it (text that merely quotes one does not count): the
+    // error takes the `[DONE]`'s place.
+    back();
+    let got = dechunk(&send("unfinished"));
+    cut_short(&got, "the stream reached `data: [DONE]` without a finish_reason");
+    assert!(got.contains(r#"data: {"text": "\"finish_reason\":\"stop\""}"#), "{got}");
+    assert_eq!(reasons.lock().unwrap().len(), 3);
     common::poll("the requests' release", || dp.in_flight() == 0);
     assert_eq!(router.num_in_flight(), 0);
     dp.stop();
