@@ -26,7 +26,12 @@ class App(ServeApp):
     def __init__(self, engines: list[vllm_bed.Engine]) -> None:
         self.engines = engines
         specs = [{"engine_url": e.url, "kv_events": e.events, "kv_events_replay": e.replay} for e in engines]
-        kwargs = {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5}
+        # SGLang's cache_aware rule: the best overlap unless loads differ by > 64 requests. The default
+        # (slack) may move a conversation whose few cached blocks are cheap to recompute on this bed's
+        # tiny model when an engine looks busier (a lease not yet released, a metrics poll from the
+        # previous request), which depends on timing; this module checks the routers' shared view of
+        # the KV events, so it routes on the cache alone.
+        kwargs = {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5, "policy": "cache_aware"}
         super().__init__(build_app(specs, request_router_kwargs=kwargs, ingress_replicas=2), env_vars={"OMP_NUM_THREADS": "1"})
 
     def chat(self, msgs: list[dict[str, str]], stream: bool) -> tuple[str, bytes]:
@@ -47,6 +52,7 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
         e.reset_prefix_cache()
     ingresses: set[str] = set()
     homes: dict[int, set[str]] = {}
+    trail: list[tuple[int, int, str, list[str]]] = []  # (turn, conversation, ingress replica, engines that served it)
     hits0 = sum(e.metric("vllm:prefix_cache_hits_total") for e in app.engines)
     for turn in range(3):
         for conv in range(4):
@@ -58,11 +64,13 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
             total = sum(before)
             poll(lambda t=total: sum(e.metric("vllm:request_success_total") for e in app.engines) > t, 10.0, "the request counted")
             after = [e.metric("vllm:request_success_total") for e in app.engines]
-            homes.setdefault(conv, set()).update(e.name for e, a, b in zip(app.engines, after, before) if a > b)
+            served = [e.name for e, a, b in zip(app.engines, after, before) if a > b]
+            homes.setdefault(conv, set()).update(served)
+            trail.append((turn, conv, ing, served))
     assert len(ingresses) == 2, "both ingress replicas (two kvroute routers) routed requests"
     assert len(set().union(*homes.values())) == 2, f"the conversations spread over both engines: {homes}"
     # Both routers read the same engines' KV events, so a conversation keeps its engine whichever routes it.
-    assert sum(len(h) == 1 for h in homes.values()) >= 3, homes
+    assert sum(len(h) == 1 for h in homes.values()) >= 3, f"{homes}\n{trail}\n{app.routers()}"
     hits = sum(e.metric("vllm:prefix_cache_hits_total") for e in app.engines) - hits0
     assert hits >= 8 * 2 * BLOCK_SIZE, f"follow-up turns hit only {hits} cached tokens"
     poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
