@@ -134,6 +134,9 @@ class WorkerLoad(TypedDict):
     observed_waiting: int | None
     observed_running: int | None
     observed_kv_usage: float | None
+    prefill_samples: int
+    learned_overhead_s: float | None
+    learned_prefill_tokens_per_s: float | None
 
 class Decision:
     """The outcome of `Router.route`."""
@@ -215,6 +218,7 @@ class Router:
         prefill_busy_queue_s: float | None = None,
         optimistic_insert: bool = False,
         hash_seed: int = 1337,
+        ttft_model: Literal["configured", "learned"] = "configured",
         index: KvIndex | None = None,
     ) -> None: ...
     def add_worker(

@@ -4,7 +4,9 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_core::router::{Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
+use kvroute_core::router::{
+    Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, TtftModel, WorkerSpec,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -93,7 +95,7 @@ impl PyRouter {
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
-        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
+        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, ttft_model = "configured", index = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -130,8 +132,11 @@ impl PyRouter {
         prefill_busy_queue_s: Option<f64>,
         optimistic_insert: bool,
         hash_seed: u64,
+        ttft_model: &str,
         index: Option<&Bound<'_, PyKvIndex>>,
     ) -> PyResult<Self> {
+        let ttft_model = TtftModel::from_name(ttft_model)
+            .ok_or_else(|| PyValueError::new_err(format!("ttft_model must be 'learned' or 'configured', got {ttft_model:?}")))?;
         let block_size = crate::convert::check_block_size(block_size)?;
         let tie_break = TieBreak::from_name(tie_break)
             .ok_or_else(|| PyValueError::new_err(format!("tie_break must be 'rotate' or 'lowest', got {tie_break:?}")))?;
@@ -171,6 +176,7 @@ impl PyRouter {
             local_prefill_max_tokens,
             prefill_busy_queue_s,
             optimistic_insert,
+            ttft_model,
         };
         let index = index.map(|i| i.get().inner.clone());
         Ok(PyRouter { inner: Arc::new(Router::new(cfg, index).map_err(to_py)?) })
@@ -310,6 +316,9 @@ impl PyRouter {
         d.set_item("observed_waiting", w.observed.waiting)?;
         d.set_item("observed_running", w.observed.running)?;
         d.set_item("observed_kv_usage", w.observed.kv_usage)?;
+        d.set_item("prefill_samples", w.prefill_fit.samples())?;
+        d.set_item("learned_overhead_s", w.prefill_fit.fitted.map(|(a, _)| a))?;
+        d.set_item("learned_prefill_tokens_per_s", w.prefill_fit.fitted.map(|(_, b)| if b > 0.0 { 1.0 / b } else { f64::INFINITY }))?;
         Ok(d)
     }
 
@@ -368,6 +377,7 @@ impl PyRouter {
         d.set_item("prefill_busy_queue_s", c.prefill_busy_queue_s)?;
         d.set_item("optimistic_insert", c.optimistic_insert)?;
         d.set_item("hash_seed", c.hash_seed)?;
+        d.set_item("ttft_model", c.ttft_model.name())?;
         Ok(d)
     }
 

@@ -87,6 +87,35 @@ impl DecodeRule {
     }
 }
 
+/// Where the Router's TTFT prediction (queueing delay + prefill time per worker) comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TtftModel {
+    /// The registered `prefill_tokens_per_s` and the virtual-time FIFO queue (the seed's model;
+    /// exact for engines that prefill at that speed one request at a time, as the simulator's do).
+    Configured,
+    /// The same virtual-time queue, with each worker's prefill time learned online from the
+    /// prefills the router sees finish (`prefill_done`): overhead + seconds_per_token * uncached
+    /// tokens, see `PrefillFit`; the configured speed until it has `PrefillFit::MIN_SAMPLES`
+    /// measurements of that worker.
+    Learned,
+}
+
+impl TtftModel {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "configured" => Some(TtftModel::Configured),
+            "learned" => Some(TtftModel::Learned),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TtftModel::Configured => "configured",
+            TtftModel::Learned => "learned",
+        }
+    }
+}
+
 /// Everything a Router is configured with; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -176,6 +205,9 @@ pub struct RouterConfig {
     pub prefill_busy_queue_s: Option<f64>,
     /// Record the routed prefix in the index at once (approximate mode, without KV events).
     pub optimistic_insert: bool,
+    /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
+    /// and docs/router.md for why learning is not the default yet).
+    pub ttft_model: TtftModel,
 }
 
 impl Default for RouterConfig {
@@ -216,6 +248,7 @@ impl Default for RouterConfig {
             local_prefill_max_tokens: 0,
             prefill_busy_queue_s: None,
             optimistic_insert: false,
+            ttft_model: TtftModel::Configured,
         }
     }
 }

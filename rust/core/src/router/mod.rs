@@ -22,10 +22,10 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 use crate::index::{KvIndex, MatchScratch, Matches, Tier, WorkerId, ANY_TIER};
-pub use config::{DecodeRule, Role, RouterConfig, TieBreak};
+pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
-pub use load::{InFlight, Observed, WorkerLoad, WorkerSpec};
+pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
 use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -262,15 +262,23 @@ impl Router {
         if !rec.prefill_pending {
             return Err(RouterError::InvalidArgument(format!("prefill_done called twice for request {request_id}")));
         }
-        Self::finish_prefill(&mut st, &rec, now);
+        Self::finish_prefill(&mut st, &rec, now, self.cfg.ttft_model == TtftModel::Learned);
         st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
         Ok(())
     }
 
-    fn finish_prefill(st: &mut State, rec: &InFlight, now: f64) {
+    /// `measured`: `now` is when the first token came (`prefill_done`), so the request is one
+    /// sample of the learned prefill time: served from the later of its routing and the
+    /// previous finish there, until now.
+    fn finish_prefill(st: &mut State, rec: &InFlight, now: f64, measured: bool) {
         let Some(&at) = st.pos.get(&rec.prefill_worker) else { return };
         let shift = st.shifts[at];
         let w = &mut st.workers[at];
+        if measured {
+            let served = now - rec.routed_at.max(w.last_prefill_done);
+            w.prefill_fit.add(rec.uncached_tokens as f64, served, 1.0 / w.spec.prefill_tokens_per_s);
+        }
+        w.last_prefill_done = w.last_prefill_done.max(now);
         w.prefilling = w.prefilling.saturating_sub(1);
         w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
         if rec.prefill_worker != rec.decode_worker {
@@ -300,7 +308,7 @@ impl Router {
         let mut st = self.state.lock();
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
-            Self::finish_prefill(&mut st, &rec, now);
+            Self::finish_prefill(&mut st, &rec, now, false);
         }
         Self::release_decode(&mut st, &rec);
         Ok(())
@@ -406,7 +414,7 @@ impl Router {
             }
             _ => (0, 0.0),
         };
-        let evict_time = if self.cfg.eviction_weight > 0.0 { w.prefill_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
+        let evict_time = if self.cfg.eviction_weight > 0.0 { w.token_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -419,7 +427,7 @@ impl Router {
             predicted_ttft: queue_delay + prefill_time + transfer_time,
             in_flight: w.in_flight(),
             queued: w.prefilling.max(w.observed.waiting.unwrap_or(0)),
-            prefill_speed: w.spec.prefill_tokens_per_s,
+            prefill_speed: w.prefill_speed(),
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
             evict_time,
@@ -631,6 +639,7 @@ impl Router {
                     shift_at,
                     kv_blocks: kv_need,
                     prefill_pending: true,
+                    routed_at: now,
                 },
             );
         }
@@ -664,7 +673,7 @@ impl Router {
         st.offered_rate = st.offered_rate * decay + tokens as f64 / tau;
         st.offered_sq = st.offered_sq * decay + (tokens as f64).powi(2) / tau;
         st.offered_at = Some(st.offered_at.map_or(now, |t| t.max(now)));
-        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         if capacity > 0.0 {
             // Arrivals are (close to) a compound Poisson stream: the exponentially weighted rate
             // has variance lambda * E[tokens^2] / (2 tau), and offered_sq estimates lambda * E[tokens^2].
@@ -703,7 +712,7 @@ impl Router {
     pub fn offered_load(&self, now: Option<f64>) -> Result<f64, RouterError> {
         let now = self.now(now)?;
         let st = self.state.lock();
-        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
         let rate = st.offered_rate * (-dt / self.cfg.load_window()).exp();
         Ok(if capacity > 0.0 { rate / capacity } else { 0.0 })
@@ -758,7 +767,7 @@ impl Router {
             .max_by_key(|c| (c.overlap_blocks, std::cmp::Reverse(c.worker)))?;
         let bs = self.cfg.block_size as u64;
         let extra = (holder.overlap_blocks as u64 * bs).min(num_tokens) - (chosen.overlap_blocks as u64 * bs).min(num_tokens);
-        let recompute = workers[pos[&chosen.worker]].prefill_time(extra);
+        let recompute = workers[pos[&chosen.worker]].token_time(extra);
         (self.cfg.transfer_time(extra) < recompute).then_some(holder.worker)
     }
 }
