@@ -7,7 +7,8 @@ workload through the official ``openai`` client, streamed; the engines' own coun
 
 Routers, in turn, on the same 2 unified engines (caches reset between them): ``kvroute serve`` (default
 policy, exact mode with the model's tokenizer.json + chat template, KV events), ``kvroute:NAME`` for
-``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``sglang-router launch --policy
+``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``kvroute+nopending`` for the
+default with ``--no-pending-prefixes`` (overlap from KV events only), ``sglang-router launch --policy
 cache_aware`` and ``vllm-router --policy cache_aware`` (each skipped when not installed). With several
 ``--seeds`` every router runs the workload of each seed, and the summary gives each router's mean, min
 and max hit rate over them. Then a PD run: 1 prefill + 1 decode engine with vLLM's
@@ -408,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--routers",
         default="kvroute,round_robin,sglang,vllm",
-        help="comma-separated: kvroute (default policy), kvroute:POLICY, round_robin (= kvroute:round_robin), sglang, vllm",
+        help="comma-separated: kvroute (default policy), kvroute+nopending (the same without pending prefixes), kvroute:POLICY, "
+        "round_robin (= kvroute:round_robin), sglang, vllm",
     )
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
     a = ap.parse_args(argv)
@@ -425,10 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--seeds: expected comma-separated integers, got {a.seeds!r}")
     exact = ["--tokenizer", str(bed.model), "--log-level", "warning"]
     wanted = a.routers.split(",")
-    known = {"kvroute", "round_robin", "sglang", "vllm"}
+    known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
     bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]
     if bad:
-        ap.error(f"--routers: unknown router {bad[0]!r}; expected kvroute, kvroute:POLICY, round_robin, sglang or vllm")
+        ap.error(f"--routers: unknown router {bad[0]!r}; expected kvroute, kvroute+nopending, kvroute:POLICY, round_robin, sglang or vllm")
     results: list[Result] = []
     t_start = time.monotonic()
     desc = f"2 x {a.num_blocks} blk"
@@ -439,6 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for want in wanted:
             if want == "kvroute":
                 fronts.append(("kvroute (default policy)", lambda: Gateway(bed, engines, exact, name="kvroute-default"), ""))
+            elif want == "kvroute+nopending":
+                args = [*exact, "--no-pending-prefixes"]
+                fronts.append(
+                    ("kvroute (default, no pending prefixes)", lambda args=args: Gateway(bed, engines, args, name="kvroute-nopend"), None)
+                )
             elif want == "round_robin" or want.startswith("kvroute:"):
                 pol = want.split(":", 1)[1] if ":" in want else want
                 fronts.append(

@@ -268,4 +268,6 @@ pub struct InFlight {
     /// When it was routed (the router's clock): with `prefill_done`, one sample of the learned
     /// prefill time.
     pub routed_at: f64,
+    /// Its entry in the router's pending prefixes, if one was recorded.
+    pub pending: Option<u64>,
 }

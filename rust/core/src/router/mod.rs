@@ -9,6 +9,7 @@ pub mod config;
 pub mod decision;
 pub mod decode;
 pub mod load;
+pub mod pending;
 pub mod policy;
 
 #[cfg(test)]
@@ -26,6 +27,7 @@ pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
 pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
+use pending::PendingPrefixes;
 use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -87,6 +89,9 @@ struct State {
     /// some worker: how likely a cached block is to be asked for again ("capacity").
     reuse: f64,
     reuse_at: Option<f64>,
+    /// Prefixes routed but not yet confirmed by KV events (`RouterConfig::pending_prefixes`).
+    pending: PendingPrefixes,
+    pending_alive: Vec<WorkerId>,
 }
 
 #[derive(Default)]
@@ -141,6 +146,8 @@ impl Router {
                 offered_at: None,
                 reuse: 0.0,
                 reuse_at: None,
+                pending: PendingPrefixes::default(),
+                pending_alive: Vec::new(),
             }),
             epoch: Instant::now(),
             cfg,
@@ -201,6 +208,7 @@ impl Router {
         let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
         st.workers.remove(at);
         st.shifts.remove(at);
+        st.pending.remove_worker(id);
         Self::reindex(&mut st);
         Ok(())
     }
@@ -226,6 +234,15 @@ impl Router {
     /// Number of tracked in-flight requests.
     pub fn num_in_flight(&self) -> usize {
         self.state.lock().requests.len()
+    }
+
+    /// Distinct (block, worker) pairs counted as pending at `now` (see `pending_prefixes`);
+    /// expired entries are dropped first.
+    pub fn num_pending_blocks(&self, now: Option<f64>) -> Result<usize, RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        st.pending.expire(now);
+        Ok(st.pending.num_blocks())
     }
 
     /// Folds in engine-reported metrics; `queue_delay` (seconds of queued prefill the engine
@@ -264,6 +281,9 @@ impl Router {
         }
         Self::finish_prefill(&mut st, &rec, now, self.cfg.ttft_model == TtftModel::Learned);
         st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
+        if let Some(tag) = rec.pending {
+            st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+        }
         Ok(())
     }
 
@@ -309,6 +329,9 @@ impl Router {
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
             Self::finish_prefill(&mut st, &rec, now, false);
+            if let Some(tag) = rec.pending {
+                st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+            }
         }
         Self::release_decode(&mut st, &rec);
         Ok(())
@@ -320,6 +343,9 @@ impl Router {
         let mut st = self.state.lock();
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
+            if let Some(tag) = rec.pending {
+                st.pending.remove(tag);
+            }
             if let Some(&at) = st.pos.get(&rec.prefill_worker) {
                 let w = &mut st.workers[at];
                 w.prefilling = w.prefilling.saturating_sub(1);
@@ -378,7 +404,7 @@ impl Router {
                 None => req.hashes.expect("checked"),
             };
             self.index.match_into(hs, ANY_TIER, match_scratch, matches);
-            let d = self.decide(now, num_tokens, req, matches)?;
+            let d = self.decide(now, num_tokens, req, hs, matches)?;
             if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
                 // Best effort: an index at its capacity limit only forgets this guess (later
                 // matches come out shorter, never wrong); the decision itself stands.
@@ -438,7 +464,14 @@ impl Router {
         }
     }
 
-    fn decide(&self, now: f64, num_tokens: u64, req: &RouteRequest<'_>, matches: &Matches) -> Result<Decision, RouterError> {
+    fn decide(
+        &self,
+        now: f64,
+        num_tokens: u64,
+        req: &RouteRequest<'_>,
+        hashes: &[u64],
+        matches: &Matches,
+    ) -> Result<Decision, RouterError> {
         let cfg = &self.cfg;
         let bs = cfg.block_size as u64;
         let mut guard = self.state.lock();
@@ -460,6 +493,23 @@ impl Router {
         for (w, &d) in matches.workers.iter().zip(&matches.depths) {
             if let Some(&at) = st.pos.get(w) {
                 st.overlaps[at] = d;
+            }
+        }
+        if cfg.pending_prefixes {
+            // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
+            // holds only what the index lacked when it was routed). Workers without an index
+            // prefix share one walk from block 0; each worker with one continues from its end.
+            st.pending.expire(now);
+            let State { pending, pending_alive, overlaps, pos, .. } = st;
+            pending.overlaps(hashes, pending_alive, |w, d| {
+                if let Some(&at) = pos.get(&w) {
+                    overlaps[at] = overlaps[at].max(d);
+                }
+            });
+            for (w, &d) in matches.workers.iter().zip(&matches.depths) {
+                if let Some(&at) = pos.get(w) {
+                    overlaps[at] = overlaps[at].max(d + pending.run_from(hashes, d as usize, *w));
+                }
             }
         }
         let kv_need = (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs);
@@ -618,6 +668,19 @@ impl Router {
         let pw = &mut st.workers[p_at];
         let done_at = pw.enqueue_prefill(now, c.prefill_time);
         let busy_until = pw.busy_until;
+        // Tracked: pending until prefill_done / finished says when (TTL if never); untracked: until
+        // the predicted prefill end, the only end the router will know.
+        let pending = if cfg.pending_prefixes {
+            let full = ((num_tokens / bs) as usize).min(hashes.len());
+            let indexed = matches.workers.iter().position(|&w| w == c.worker).map_or(0, |i| matches.depths[i] as usize).min(full);
+            let until = match req.request_id {
+                Some(_) => now + cfg.pending_ttl_s,
+                None => done_at.max(now) + cfg.pending_grace_s,
+            };
+            st.pending.add(c.worker, &hashes[indexed..full], until)
+        } else {
+            None
+        };
         if let Some(id) = req.request_id {
             pw.prefilling += 1;
             pw.prefill_tokens += c.uncached_tokens;
@@ -640,6 +703,7 @@ impl Router {
                     kv_blocks: kv_need,
                     prefill_pending: true,
                     routed_at: now,
+                    pending,
                 },
             );
         }

@@ -1,8 +1,9 @@
 use super::*;
 use crate::hash::sequence_hashes;
 
+/// Overlap from the index alone (no pending prefixes): the policies' arithmetic as the seed states it.
 fn router(policy: &str, tie: TieBreak, n: u64) -> Router {
-    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, ..Default::default() };
+    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, pending_prefixes: false, ..Default::default() };
     let r = Router::new(cfg, None).unwrap();
     for w in 0..n {
         r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -89,7 +90,13 @@ fn cache_aware_balance_thresholds() {
 
 #[test]
 fn cache_aware_rel_threshold_and_cache_threshold() {
-    let cfg = RouterConfig { policy: "cache_aware".into(), balance_abs_threshold: 1.0, balance_rel_threshold: 3.0, ..Default::default() };
+    let cfg = RouterConfig {
+        policy: "cache_aware".into(),
+        balance_abs_threshold: 1.0,
+        balance_rel_threshold: 3.0,
+        pending_prefixes: false,
+        ..Default::default()
+    };
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -558,7 +565,13 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     let a = prompt(21, 2048);
     let other = prompt(22, 2048);
     let make = |policy: &str| {
-        let cfg = RouterConfig { policy: policy.into(), tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), ..Default::default() };
+        let cfg = RouterConfig {
+            policy: policy.into(),
+            tie_break: TieBreak::Lowest,
+            ttft_slo: Some(2.0),
+            pending_prefixes: false,
+            ..Default::default()
+        };
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
@@ -728,4 +741,121 @@ fn prefill_fit_waits_for_samples_and_keeps_a_sane_shape() {
     }
     let (a, b) = h.fitted.unwrap();
     assert!(a >= 0.0 && b > 0.0, "{a} {b}");
+}
+
+// ---- pending prefixes ----------------------------------------------------------------------
+
+fn tracked(r: &Router, toks: &[u32], now: f64, id: u64) -> Decision {
+    r.route(&RouteRequest { tokens: Some(toks), now: Some(now), request_id: Some(id), ..Default::default() }).unwrap()
+}
+
+#[test]
+fn back_to_back_requests_with_a_new_prefix_share_a_worker() {
+    // A shared 1024-token system prompt nobody has cached, two different questions after it,
+    // routed before any KV event: with pending prefixes the second sees the first's 16 blocks.
+    let system = prompt(30, 1024);
+    let ask = |q: u32| [system.clone(), prompt(q, 200)].concat();
+    for (on, policy) in [(true, "slack"), (true, "cache_only"), (true, "cache_aware"), (false, "cache_only")] {
+        let cfg = RouterConfig { policy: policy.into(), pending_prefixes: on, ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..4 {
+            r.add_worker(w, WorkerSpec::default()).unwrap();
+        }
+        let a = tracked(&r, &ask(31), 0.0, 1);
+        let b = tracked(&r, &ask(32), 0.001, 2);
+        if on {
+            assert_eq!((b.worker, b.overlap_blocks), (a.worker, 16), "{policy}");
+            assert_eq!(r.num_pending_blocks(Some(0.001)).unwrap(), 16 + 3 + 3);
+        } else {
+            assert_eq!(b.overlap_blocks, 0);
+            assert_ne!(b.worker, a.worker, "cache_only without pending spreads by queue");
+        }
+    }
+}
+
+#[test]
+fn pending_prefixes_go_away_after_prefill_done_plus_grace() {
+    let cfg = RouterConfig { pending_grace_s: 0.5, pending_ttl_s: 30.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    let p = prompt(33, 640);
+    tracked(&r, &p, 0.0, 1);
+    tracked(&r, &prompt(34, 640), 0.0, 2);
+    tracked(&r, &prompt(35, 640), 0.0, 3);
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 30);
+    r.prefill_done(1, Some(0.2)).unwrap();
+    r.finished(2, Some(0.3)).unwrap(); // prefill never reported: finished ends it
+    r.cancel(3, Some(0.3)).unwrap(); // cancelled: nothing was computed, gone at once
+    assert_eq!(r.num_pending_blocks(Some(0.3)).unwrap(), 20);
+    assert_eq!(r.num_pending_blocks(Some(0.69)).unwrap(), 20);
+    assert_eq!(r.num_pending_blocks(Some(0.7)).unwrap(), 10);
+    assert_eq!(r.num_pending_blocks(Some(0.8)).unwrap(), 0);
+    // The index is the only source again.
+    assert_eq!(route(&r, &p, 1.0).overlap_blocks, 0);
+}
+
+#[test]
+fn untracked_requests_pend_until_their_predicted_prefill_end() {
+    let r = Router::new(RouterConfig { pending_grace_s: 0.25, ..Default::default() }, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    let p = prompt(36, 2000); // 0.1 s of prefill at 20k tokens/s
+    route(&r, &p, 0.0);
+    assert_eq!(route(&r, &p, 0.01).overlap_blocks, 31);
+    assert_eq!(r.num_pending_blocks(Some(0.349)).unwrap(), 31);
+    assert_eq!(r.num_pending_blocks(Some(0.36)).unwrap(), 0);
+}
+
+#[test]
+fn callers_that_never_report_are_bounded_by_the_ttl() {
+    // 10 tracked requests a second with distinct prompts, never finished: the pending set holds
+    // only the last TTL's worth.
+    let cfg = RouterConfig { pending_ttl_s: 2.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec { prefill_tokens_per_s: 1e9, ..Default::default() }).unwrap();
+    for i in 0..1000u64 {
+        tracked(&r, &prompt(1000 + i as u32, 640), i as f64 * 0.1, i);
+        assert!(r.num_pending_blocks(Some(i as f64 * 0.1)).unwrap() <= 21 * 10);
+    }
+    assert_eq!(r.num_pending_blocks(Some(100.0 + 2.0)).unwrap(), 0);
+    let st = r.state.lock();
+    assert_eq!((st.pending.num_entries(), st.pending.num_blocks()), (0, 0));
+}
+
+#[test]
+fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
+    for bad in [
+        RouterConfig { pending_grace_s: -1.0, ..Default::default() },
+        RouterConfig { pending_grace_s: f64::NAN, ..Default::default() },
+        RouterConfig { pending_ttl_s: 0.0, ..Default::default() },
+        RouterConfig { pending_ttl_s: f64::INFINITY, ..Default::default() },
+    ] {
+        assert!(matches!(Router::new(bad, None), Err(RouterError::InvalidConfig(_))));
+    }
+    let r = Router::new(RouterConfig::default(), None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(37, 640);
+    let d = tracked(&r, &p, 0.0, 1);
+    r.remove_worker(d.worker).unwrap();
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 0);
+    r.add_worker(d.worker, WorkerSpec::default()).unwrap();
+    assert_eq!(route(&r, &p, 0.0).overlap_blocks, 0);
+}
+
+#[test]
+fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
+    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let p = prompt(38, 640);
+    store(&r, 1, &p[..512]); // the index: 8 of the 10 blocks on worker 1
+    let d = tracked(&r, &p, 0.0, 1);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 8));
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 2);
+    let d = tracked(&r, &p, 0.0, 2);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 10));
+    // The index loses the prefix (evicted): the pending tail alone is no prefix.
+    r.index().remove(1, &sequence_hashes(&p[..512], 64, crate::DEFAULT_SEED, None), ANY_TIER);
+    assert_eq!(tracked(&r, &p, 0.0, 3).overlap_blocks, 0);
 }
