@@ -67,3 +67,33 @@ def test_bad_pending_settings_are_rejected():
         Router(pending_ttl_s=0.0)
     with pytest.raises(ValueError, match="pending_grace_s"):
         Router(pending_grace_s=-1.0)
+
+
+def test_blocks_the_engine_evicted_stop_counting_at_once():
+    """The real-engine test's sequence (tests/e2e/test_e2e_index.py), on fake vLLM engines of 32
+    blocks: one request at a time over 6 shared prefixes, each one's KV events (its stores and the
+    evictions its allocation caused) applied before the next is routed, every request within the
+    grace of the earlier ones' ends. The Router's overlap must be what the engine holds: a block the
+    engine evicted after its pending request was routed no longer counts there."""
+    from fake_engine import FakeEngine
+
+    bs = 32
+    engines = [FakeEngine("vllm", block_size=bs, capacity=32) for _ in range(2)]
+    r = Router(block_size=bs, policy="cache_only")
+    for w in range(2):
+        r.add_worker(w)
+    rng = np.random.default_rng(7)
+    prefixes = [prompt(500 + k, int(rng.integers(150, 260))) for k in range(6)]
+    hits = 0
+    for i in range(80):
+        tokens = np.concatenate([prefixes[int(rng.integers(6))], prompt(600 + i, int(rng.integers(20, 120)))])
+        now = i * 0.01
+        d = r.route(tokens, now=now, request_id=i)
+        e = engines[d.worker]
+        held = sum(tuple(tokens[: len(p)].tolist()) == p for p in e.cached_prefixes())  # its leading cached blocks
+        assert d.overlap_blocks == held, f"request {i} on worker {d.worker}: predicted {d.overlap_blocks}, engine holds {held}"
+        hits += held > 0
+        r.index.apply_event_batch(d.worker, e.encode(e.process(tokens.tolist())), block_size=bs)
+        r.finished(i, now=now + 0.005)
+    assert hits >= 20
+    assert r.num_pending_blocks(now=0.8) > 0  # the grace had not ended for any of them

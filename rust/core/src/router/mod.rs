@@ -22,7 +22,7 @@ use std::time::Instant;
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-use crate::index::{KvIndex, MatchScratch, Matches, Tier, WorkerId, ANY_TIER};
+use crate::index::{KvIndex, MatchScratch, Matches, Removal, Since, Tier, WorkerId, ANY_TIER};
 pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
@@ -92,6 +92,8 @@ struct State {
     /// Prefixes routed but not yet confirmed by KV events (`RouterConfig::pending_prefixes`).
     pending: PendingPrefixes,
     pending_alive: Vec<WorkerId>,
+    /// Where this router is in the index's removal log (pending prefixes on).
+    removal_cursor: u64,
 }
 
 #[derive(Default)]
@@ -113,6 +115,14 @@ pub struct Router {
     epoch: Instant,
 }
 
+impl Drop for Router {
+    fn drop(&mut self) {
+        if self.cfg.pending_prefixes {
+            self.index.unsubscribe_removals();
+        }
+    }
+}
+
 fn check_time(now: f64, what: &str) -> Result<f64, RouterError> {
     if now.is_finite() && now >= 0.0 {
         Ok(now)
@@ -127,9 +137,12 @@ impl Router {
         cfg.validate()?;
         let policy = make_policy(&cfg).ok_or_else(|| RouterError::InvalidConfig(format!("unknown policy {:?}", cfg.policy)))?;
         let rng = Rng::new(cfg.seed);
+        let index = index.unwrap_or_else(|| Arc::new(KvIndex::new(None)));
+        // Pending prefixes end at the engine's removals, which the index logs for this router.
+        let removal_cursor = if cfg.pending_prefixes { index.subscribe_removals() } else { 0 };
         Ok(Router {
             policy,
-            index: index.unwrap_or_else(|| Arc::new(KvIndex::new(None))),
+            index,
             state: Mutex::new(State {
                 workers: Vec::new(),
                 pos: HashMap::new(),
@@ -148,6 +161,7 @@ impl Router {
                 reuse_at: None,
                 pending: PendingPrefixes::default(),
                 pending_alive: Vec::new(),
+                removal_cursor,
             }),
             epoch: Instant::now(),
             cfg,
@@ -241,7 +255,7 @@ impl Router {
     pub fn num_pending_blocks(&self, now: Option<f64>) -> Result<usize, RouterError> {
         let now = self.now(now)?;
         let mut st = self.state.lock();
-        st.pending.expire(now);
+        self.expire_pending(&mut st, now);
         Ok(st.pending.num_blocks())
     }
 
@@ -464,6 +478,23 @@ impl Router {
         }
     }
 
+    /// Drops what no longer counts as pending: blocks the engines reported removed since the
+    /// last look (the index's removal log), then entries past their expiry.
+    fn expire_pending(&self, st: &mut State, now: f64) {
+        if !self.cfg.pending_prefixes {
+            return;
+        }
+        let State { pending, removal_cursor, .. } = st;
+        let lost = self.index.removals_since(removal_cursor, |r| match r {
+            Removal::Block(w, h) => pending.void_block(w, h),
+            Removal::Worker(w) => pending.void_worker(w),
+        });
+        if lost == Since::Lost {
+            pending.void_all();
+        }
+        pending.expire(now);
+    }
+
     fn decide(
         &self,
         now: f64,
@@ -499,7 +530,7 @@ impl Router {
             // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
             // holds only what the index lacked when it was routed). Workers without an index
             // prefix share one walk from block 0; each worker with one continues from its end.
-            st.pending.expire(now);
+            self.expire_pending(st, now);
             let State { pending, pending_alive, overlaps, pos, .. } = st;
             pending.overlaps(hashes, pending_alive, |w, d| {
                 if let Some(&at) = pos.get(&w) {

@@ -7,6 +7,14 @@
 //! and caches the prefix again. An entry lives until the events can have confirmed it: the
 //! request's prefill is done (`prefill_done` / `finished`) plus a grace for the event lag; a
 //! request that is never reported expires after a TTL, so memory stays bounded for any caller.
+//!
+//! An engine's removal ends a pending block at once: once the engine reports that a worker
+//! dropped a block (evicted after it was stored, or a cleared cache), that worker cannot serve
+//! it from cache whatever a pending entry routed before says, so the block stops counting there
+//! for every entry routed before the removal (`void_block`, `void_worker`; the Router feeds them
+//! the index's removal log). Without this, a block stored and then evicted within the grace was
+//! still counted: the real-engine test saw the Router predict 6-11 cached blocks where vLLM had
+//! evicted them all.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -54,6 +62,15 @@ impl Holders {
         }
     }
 
+    /// Drops every hold of `w`; returns how many there were.
+    fn take(&mut self, w: WorkerId) -> u32 {
+        let n = self.slots().find(|(x, _)| *x == w).map_or(0, |s| s.1);
+        for _ in 0..n {
+            self.release(w);
+        }
+        n
+    }
+
     /// Drops one hold of `w`; true when no worker holds the block any more.
     fn release(&mut self, w: WorkerId) -> bool {
         let n = self.len as usize;
@@ -90,6 +107,8 @@ struct Entry {
     worker: WorkerId,
     hashes: Vec<u64>,
     expires_at: f64,
+    /// `PendingPrefixes::voids` when it was added: a void counted later applies to it.
+    since: u64,
 }
 
 /// Expiry times ordered for a min-heap (times are finite: the router checks its clock values).
@@ -124,6 +143,11 @@ pub struct PendingPrefixes {
     next: u64,
     /// Hash lists of dropped entries, reused so a warm router's route() does not allocate.
     spare: Vec<Vec<u64>>,
+    /// Voids so far (`void_block` calls that took holds).
+    voids: u64,
+    /// (block, worker) -> (holds taken by voids whose entries are still live, the last such
+    /// void's number): an entry added before that void gives its hold back here, not to `blocks`.
+    voided: HashMap<(u64, WorkerId), (u32, u64)>,
 }
 
 impl PendingPrefixes {
@@ -140,7 +164,7 @@ impl PendingPrefixes {
         }
         let mut list = self.spare.pop().unwrap_or_default();
         list.extend_from_slice(hashes);
-        self.entries.insert(tag, Entry { worker, hashes: list, expires_at });
+        self.entries.insert(tag, Entry { worker, hashes: list, expires_at, since: self.voids });
         self.expiry.push(Reverse((Time(expires_at), tag)));
         Some(tag)
     }
@@ -168,8 +192,48 @@ impl PendingPrefixes {
         }
     }
 
+    /// `worker` no longer holds block `h` (its engine said so): no entry added so far counts it there.
+    pub fn void_block(&mut self, worker: WorkerId, h: u64) {
+        let Some(x) = self.blocks.get_mut(&h) else { return };
+        let n = x.take(worker);
+        if n == 0 {
+            return;
+        }
+        if x.num_workers() == 0 {
+            self.blocks.remove(&h);
+        }
+        self.voids += 1;
+        let v = self.voided.entry((h, worker)).or_insert((0, 0));
+        *v = (v.0 + n, self.voids);
+    }
+
+    /// `worker` dropped its whole cache: its entries so far are dropped.
+    pub fn void_worker(&mut self, worker: WorkerId) {
+        self.remove_worker(worker);
+    }
+
+    /// Anything may have been removed anywhere (the removal log was lost): every entry goes.
+    pub fn void_all(&mut self) {
+        let tags: Vec<u64> = self.entries.keys().copied().collect();
+        for t in tags {
+            self.remove(t);
+        }
+        self.expiry.clear();
+        debug_assert!(self.blocks.is_empty() && self.voided.is_empty());
+    }
+
     fn release(&mut self, mut e: Entry) {
         for h in &e.hashes {
+            if let Some(v) = self.voided.get_mut(&(*h, e.worker)) {
+                if e.since < v.1 {
+                    // This entry's hold was taken by a later void.
+                    v.0 -= 1;
+                    if v.0 == 0 {
+                        self.voided.remove(&(*h, e.worker));
+                    }
+                    continue;
+                }
+            }
             if let Some(x) = self.blocks.get_mut(h) {
                 if x.release(e.worker) {
                     self.blocks.remove(h);
@@ -317,5 +381,20 @@ mod tests {
         p.remove_worker(1);
         assert_eq!(depths(&p, &[10, 11]), vec![(2, 2)]);
         assert_eq!(p.num_blocks(), 2);
+    }
+
+    #[test]
+    fn voided_holds_are_given_back_to_the_void_not_to_later_entries() {
+        // Entry a (worker 1, block 7) voided by a removal; entry b routed after it holds 7 again.
+        // a's expiry must not release b's hold.
+        let mut p = PendingPrefixes::default();
+        let a = p.add(1, &[7, 8], 10.0).unwrap();
+        p.void_block(1, 7);
+        let _b = p.add(1, &[7], 20.0).unwrap();
+        p.expire_at(a, 1.0);
+        p.expire(1.0);
+        assert_eq!(p.num_blocks(), 1, "b's hold of block 7 on worker 1");
+        p.expire(20.0);
+        assert_eq!(p.num_blocks(), 0);
     }
 }

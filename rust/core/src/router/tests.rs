@@ -859,3 +859,38 @@ fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
     r.index().remove(1, &sequence_hashes(&p[..512], 64, crate::DEFAULT_SEED, None), ANY_TIER);
     assert_eq!(tracked(&r, &p, 0.0, 3).overlap_blocks, 0);
 }
+
+#[test]
+fn a_pending_block_its_engine_removed_no_longer_counts() {
+    // What the real-engine test (tests/e2e/test_e2e_index.py) saw, as an event sequence: A is
+    // routed to worker 0 (its 10 blocks pending there), finishes, its stores arrive; the engine
+    // then evicts A's last 5 blocks for the next request, all within the grace after A's end.
+    // A request with A's prompt must see the 5 blocks the engine still holds, not 10.
+    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let p = prompt(39, 640);
+    let hs = sequence_hashes(&p, 64, crate::DEFAULT_SEED, None);
+    let a = tracked(&r, &p, 0.0, 1);
+    assert_eq!((a.worker, a.overlap_blocks), (0, 0));
+    r.finished(1, Some(0.1)).unwrap();
+    store(&r, 0, &p);
+    r.index().remove(0, &hs[5..], ANY_TIER);
+    assert_eq!(r.num_pending_blocks(Some(0.2)).unwrap(), 5, "the blocks still held stay pending until the grace ends");
+    let c = tracked(&r, &p, 0.2, 2);
+    assert_eq!((c.worker, c.overlap_blocks), (0, 5));
+    // C re-pends hs[5..] on worker 0; the engine then drops its whole cache (AllBlocksCleared).
+    r.index().clear(0);
+    assert_eq!(tracked(&r, &p, 0.3, 3).overlap_blocks, 0);
+    // A removal applied before a request is routed does not void that request's pending blocks.
+    let q = prompt(40, 640);
+    for w in 0..2 {
+        r.index().remove(w, &sequence_hashes(&q, 64, crate::DEFAULT_SEED, None), ANY_TIER);
+    }
+    tracked(&r, &q, 0.4, 4);
+    assert_eq!(tracked(&r, &q, 0.5, 5).overlap_blocks, 10);
+    // Without pending prefixes the Router does not subscribe to the index's removals.
+    let off = Router::new(RouterConfig { pending_prefixes: false, ..Default::default() }, Some(r.index().clone())).unwrap();
+    drop(off);
+}
