@@ -2,20 +2,28 @@
 workload through the official ``openai`` client, streamed; the engines' own counters say what each router bought.
 
     KVROUTE_E2E_BED=.e2e .e2e/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
-        [--conversations 64] [--turns 6] [--threads 6] [--sglang-router PATH] [--vllm-router PATH] [--no-pd]
+        [--conversations 64] [--turns 6] [--threads 6] [--seeds 0,1,2] [--routers kvroute,kvroute:cache_only,sglang]
+        [--sglang-router PATH] [--vllm-router PATH] [--no-pd]
 
 Routers, in turn, on the same 2 unified engines (caches reset between them): ``kvroute serve`` (default
-policy, exact mode with the model's tokenizer.json + chat template, KV events), kvroute with
-``--policy round_robin``, ``sglang-router launch --policy cache_aware`` and ``vllm-router --policy
-cache_aware`` (each skipped when not installed). Then a PD run: 1 prefill + 1 decode engine with vLLM's
+policy, exact mode with the model's tokenizer.json + chat template, KV events), ``kvroute:NAME`` for
+``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``kvroute+nopending`` for the
+default with ``--no-pending-prefixes`` (overlap from KV events only), ``sglang-router launch --policy
+cache_aware`` and ``vllm-router --policy cache_aware`` (each skipped when not installed). With several
+``--seeds`` every router runs the workload of each seed, and the summary gives each router's mean, min
+and max hit rate over them. Then a PD run: 1 prefill + 1 decode engine with vLLM's
 ``ExampleConnector`` on one shared directory, behind ``kvroute serve --prefill P --decode D --pd-convention vllm``.
 
 Per router: the engines' prefix-cache hit rate (deltas of ``vllm:prefix_cache_hits_total`` /
 ``vllm:prefix_cache_queries_total``), client TTFT (request sent to first streamed chunk) p50/p99,
-errors, prompt tokens per engine (``vllm:prompt_tokens_total`` deltas). For kvroute, a shadow
-``kvroute.Router`` beside the gateway (same policy and defaults, its index fed by the same engines'
-KV events) routes each request before it is sent; its predicted TTFT for the engine the gateway chose
-(``X-Kvroute-Worker``) is compared with the measured TTFT. The gateway does not expose its own prediction.
+errors, prompt tokens per engine (``vllm:prompt_tokens_total`` deltas). For every kvroute run, shadow
+``kvroute.Router``s beside the gateway (the gateway's policy and defaults, one per TTFT model, their
+index fed by the same engines' KV events) route each request before it is sent; their predicted TTFT
+for the engine the gateway chose (``X-Kvroute-Worker``) is compared with the measured TTFT. When a
+shadow chose another engine, its request is moved to the gateway's (cancelled, re-routed there pinned,
+at the send time), so its load model holds the requests where they really run and it hears
+``prefill_done`` (the first streamed chunk) for them: the feedback the gateway's own Router gets. The
+gateway does not expose its own prediction.
 
 Workload (seeded): S shared system prompts, C conversations (more than the caches hold), T turns
 each; the assistant turns in the history are seeded text, not the model's output (random weights),
@@ -85,10 +93,17 @@ def workload(words: list[str], systems: int, conversations: int, turns: int, see
 # ---- one run --------------------------------------------------------------------------------------
 
 
+def ttft_models() -> list[str]:
+    """The Router's TTFT models this kvroute has ("configured" alone before the learned one existed)."""
+    import kvroute
+
+    return ["configured", "learned"] if "ttft_model" in kvroute.Router().config else ["configured"]
+
+
 @dataclass
 class Shadow:
-    """A kvroute.Router beside the gateway, with the gateway's defaults, fed by the same engines' KV
-    events: its predicted TTFT for the engine the gateway picked, per request."""
+    """kvroute.Routers beside the gateway (its policy and defaults, one per TTFT model), fed by the
+    same engines' KV events: each one's predicted TTFT for the engine the gateway picked, per request."""
 
     engines: Sequence[Engine]
     policy: str | None = None
@@ -100,27 +115,58 @@ class Shadow:
         from kvroute.prompt import ExactPrompter
 
         self.prompter = ExactPrompter(str(self.engines[0].bed.model), BLOCK_SIZE, 1337)
-        self.router = kvroute.Router(block_size=BLOCK_SIZE, **({"policy": self.policy} if self.policy else {}))
-        for w in range(len(self.engines)):
-            self.router.add_worker(w)
+        index = kvroute.KvIndex()
+        self.models = ttft_models()
+        self.routers = {}
+        for m in self.models:
+            kw: dict[str, Any] = {"policy": self.policy} if self.policy else {}
+            if len(self.models) > 1:
+                kw["ttft_model"] = m
+            r = kvroute.Router(block_size=BLOCK_SIZE, index=index, **kw)
+            for w in range(len(self.engines)):
+                r.add_worker(w)
+            self.routers[m] = r
         self.worker_of = {e.url: w for w, e in enumerate(self.engines)}
         self.sub = KvEventSubscriber(
-            self.router.index,
+            index,
             {w: e.events for w, e in enumerate(self.engines)},
             replay_endpoints={w: e.replay for w, e in enumerate(self.engines)},
             topic="kv-events",
             block_size=BLOCK_SIZE,
         ).start()
+        self.sent: dict[int, tuple[Any, dict[str, tuple[int, float]]]] = {}
 
-    def route(self, rid: int, messages: list[dict[str, str]]) -> dict[int, float]:
+    def route(self, rid: int, messages: list[dict[str, str]]) -> dict[str, dict[int, float]]:
+        """Routes the request on every shadow (before it is sent); per model, predicted TTFT per worker."""
         p = self.prompter.prompt({"messages": messages}, True)
+        out: dict[str, dict[int, float]] = {}
+        chosen: dict[str, tuple[int, float]] = {}
         with self.lock:
-            d = self.router.route(hashes=p.hashes, num_tokens=p.num_tokens, request_id=rid, output_tokens=MAX_TOKENS, explain=True)
-        return {int(s["worker"]): float(s["predicted_ttft"]) for s in d.explain or ()}
+            for m, r in self.routers.items():
+                at = r.clock()
+                d = r.route(hashes=p.hashes, num_tokens=p.num_tokens, request_id=rid, output_tokens=MAX_TOKENS, explain=True, now=at)
+                out[m] = {int(s["worker"]): float(s["predicted_ttft"]) for s in d.explain or ()}
+                chosen[m] = (d.worker, at)
+            self.sent[rid] = (p, chosen)
+        return out
+
+    def placed(self, rid: int, worker: int | None) -> None:
+        """The gateway sent the request to ``worker``: a shadow that chose another moves it there."""
+        with self.lock:
+            p, chosen = self.sent.pop(rid)
+            if worker is None:
+                return
+            for m, r in self.routers.items():
+                was, at = chosen[m]
+                if was != worker:
+                    r.cancel(rid)
+                    r.route(hashes=p.hashes, num_tokens=p.num_tokens, request_id=rid, output_tokens=MAX_TOKENS, worker=worker, now=at)
 
     def event(self, what: str, rid: int) -> None:
         with self.lock:
-            getattr(self.router, what)(rid)
+            self.sent.pop(rid, None)
+            for r in self.routers.values():
+                getattr(r, what)(rid)
 
     def close(self) -> None:
         self.sub.stop()
@@ -130,13 +176,14 @@ class Shadow:
 class Result:
     router: str
     engines: str
+    seed: int = 0
     requests: int = 0
     errors: int = 0
     ttft: list[float] = field(default_factory=list)
     hit_rate: float = 0.0
     prompt_tokens: list[int] = field(default_factory=list)
     external_kv_tokens: int = 0
-    predicted: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured TTFT) per request (kvroute)
+    predicted: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # per TTFT model: (predicted, measured TTFT)
     wall_s: float = 0.0
     error_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -148,6 +195,7 @@ class Result:
         return {
             "router": self.router,
             "engines": self.engines,
+            "seed": self.seed,
             "requests": self.requests,
             "errors": self.errors,
             "hit_rate": round(self.hit_rate, 4),
@@ -155,14 +203,24 @@ class Result:
             "ttft_p99_ms": q(0.99),
             "prompt_tokens_per_engine": self.prompt_tokens,
             "external_kv_tokens": self.external_kv_tokens,
-            "pred_ttft_abs_err_ms": round(statistics.fmean(abs(p - m) for p, m in self.predicted) * 1e3, 1) if self.predicted else None,
-            "pred_ttft_mean_ms": round(statistics.fmean(p for p, _ in self.predicted) * 1e3, 1) if self.predicted else None,
-            "measured_ttft_mean_ms": round(statistics.fmean(m for _, m in self.predicted) * 1e3, 1) if self.predicted else None,
-            "pred_ttft_corr": round(statistics.correlation(*zip(*self.predicted)), 3) if len(self.predicted) > 2 else None,
-            "pred_ttft_n": len(self.predicted),
+            "predicted_ttft": {m: prediction_figures(v) for m, v in self.predicted.items()},
             "wall_s": round(self.wall_s, 1),
             "error_kinds": self.error_kinds,
         }
+
+
+def prediction_figures(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """How a shadow's predicted TTFT compared with the measured one: mean |error|, means, Pearson r."""
+    if not pairs:
+        return {"n": 0}
+    p, m = zip(*pairs)
+    return {
+        "n": len(pairs),
+        "abs_err_ms": round(statistics.fmean(abs(a - b) for a, b in pairs) * 1e3, 1),
+        "pred_mean_ms": round(statistics.fmean(p) * 1e3, 1),
+        "measured_mean_ms": round(statistics.fmean(m) * 1e3, 1),
+        "corr": round(statistics.correlation(p, m), 3) if len(pairs) > 2 and len(set(p)) > 1 else None,
+    }
 
 
 def counters(engines: Sequence[Engine]) -> list[dict[str, float]]:
@@ -206,6 +264,9 @@ def drive(url: str, convs: list[Conversation], threads: int, res: Result, shadow
                 stream=True,
             )
             worker = raw.headers.get("x-kvroute-worker")
+            w = shadow.worker_of.get((worker or "").rstrip("/")) if shadow else None
+            if shadow:
+                shadow.placed(rid, w)
             finish = None
             for chunk in raw.parse():
                 if first is None and chunk.choices:
@@ -218,9 +279,9 @@ def drive(url: str, convs: list[Conversation], threads: int, res: Result, shadow
                 raise RuntimeError(f"stream ended without {'a chunk' if first is None else 'a finish_reason'}")
             with lock:
                 res.ttft.append(first)
-                w = shadow.worker_of.get((worker or "").rstrip("/")) if shadow else None
-                if w is not None and w in predicted:
-                    res.predicted.append((predicted[w], first))
+                for m, per_worker in predicted.items():
+                    if w is not None and w in per_worker:
+                        res.predicted.setdefault(m, []).append((per_worker[w], first))
         except Exception as e:
             with lock:
                 res.errors += 1
@@ -274,8 +335,9 @@ class Peer:
         stop_pid(self.proc, timeout=10)
 
 
-def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversation], threads: int, shadow: bool, desc: str) -> Result:
-    """One router: caches reset, the router started, the workload driven, counters' deltas taken."""
+def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversation], threads: int, shadow: str | None, desc: str) -> Result:
+    """One router: caches reset, the router started, the workload driven, counters' deltas taken.
+    ``shadow``: the kvroute policy to shadow ("" for the default), None for no shadow."""
     reset(engines)
     res = Result(name, desc)
     sh = None
@@ -284,8 +346,8 @@ def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversati
             front.start()
         else:
             poll(front.ready, 60, f"{front.name} ready", interval=0.2)
-        if shadow:
-            sh = Shadow(engines, policy=None)
+        if shadow is not None:
+            sh = Shadow(engines, policy=shadow or None)
         before = counters(engines)
         drive(front.url, convs, threads, res, sh)
         after = counters(engines)
@@ -303,15 +365,34 @@ def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversati
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'router':<26}{'engines':<14}{'hit %':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'errors':>8}  {'prompt tokens per engine':<26}{'|pred-TTFT| ms, corr':>22}"
+        f"{'router':<26}{'seed':>5}{'hit %':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'errors':>8}  {'prompt tokens per engine':<26}"
+        f"{'predicted TTFT: |err| ms, r (per model)':<40}"
     )
     for r in rows:
         pt = " / ".join(str(x) for x in r["prompt_tokens_per_engine"])
         if r["external_kv_tokens"]:
             pt += f" ({r['external_kv_tokens']} by transfer)"
-        err = "" if r["pred_ttft_abs_err_ms"] is None else f"{r['pred_ttft_abs_err_ms']:.1f}, r={r['pred_ttft_corr']}"
+        err = "; ".join(f"{m} {f['abs_err_ms']:.1f}, r={f['corr']}" for m, f in r["predicted_ttft"].items() if f["n"])
         p50, p99 = (f"{r[k]:.1f}" if r[k] is not None else "-" for k in ("ttft_p50_ms", "ttft_p99_ms"))
-        print(f"{r['router']:<26}{r['engines']:<14}{r['hit_rate'] * 100:>7.1f}{p50:>13}{p99:>9}{r['errors']:>8}  {pt:<26}{err:>22}")
+        print(f"{r['router']:<26}{r['seed']:>5}{r['hit_rate'] * 100:>7.1f}{p50:>13}{p99:>9}{r['errors']:>8}  {pt:<26}{err}")
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    """Per router over the seeds: hit rate mean (min-max), TTFT p50 mean, the predictions' mean r."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["router"], []).append(r)
+    print(f"\n{'router':<26}{'runs':>5}{'hit % mean':>12}{'min-max':>14}{'TTFT p50 ms':>13}  predicted TTFT r, mean per model")
+    for name, rs in by.items():
+        h = [r["hit_rate"] * 100 for r in rs]
+        p50 = statistics.fmean(r["ttft_p50_ms"] for r in rs if r["ttft_p50_ms"] is not None)
+        models = {m for r in rs for m in r["predicted_ttft"]}
+        corr = "; ".join(
+            f"{m} {statistics.fmean(c):.3f}"
+            for m in sorted(models)
+            if (c := [r["predicted_ttft"][m]["corr"] for r in rs if r["predicted_ttft"].get(m, {}).get("corr") is not None])
+        )
+        print(f"{name:<26}{len(rs):>5}{statistics.fmean(h):>12.2f}{f'{min(h):.1f}-{max(h):.1f}':>14}{p50:>13.1f}  {corr}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -322,11 +403,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--threads", type=int, default=6, help="client threads (default 6)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated workload seeds; every router runs each (default 0)")
     ap.add_argument("--sglang-router", default=shutil.which("sglang-router"), help="sglang-router executable (default: on PATH)")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="vllm-router executable (default: on PATH)")
     ap.add_argument(
-        "--routers", default="kvroute,round_robin,sglang,vllm", help="comma-separated subset of kvroute,round_robin,sglang,vllm"
+        "--routers",
+        default="kvroute,round_robin,sglang,vllm",
+        help="comma-separated: kvroute (default policy), kvroute+nopending (the same without pending prefixes), kvroute:POLICY, "
+        "round_robin (= kvroute:round_robin), sglang, vllm",
     )
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
     a = ap.parse_args(argv)
@@ -337,21 +421,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_real_engines: {why}", file=sys.stderr)
         return 2
     words = vocabulary(bed.model)
-    convs = workload(words, a.systems, a.conversations, a.turns, a.seed)
+    try:
+        seeds = [int(x) for x in a.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {a.seeds!r}")
     exact = ["--tokenizer", str(bed.model), "--log-level", "warning"]
     wanted = a.routers.split(",")
+    known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
+    bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]
+    if bad:
+        ap.error(f"--routers: unknown router {bad[0]!r}; expected kvroute, kvroute+nopending, kvroute:POLICY, round_robin, sglang or vllm")
     results: list[Result] = []
     t_start = time.monotonic()
     desc = f"2 x {a.num_blocks} blk"
     with bed.running(2, num_blocks=a.num_blocks) as engines:
         urls = [e.url for e in engines]
-        fronts: list[tuple[str, Any, bool]] = []
-        if "kvroute" in wanted:
-            fronts.append(("kvroute (default policy)", lambda: Gateway(bed, engines, exact, name="kvroute-default"), True))
-        if "round_robin" in wanted:
-            fronts.append(
-                ("kvroute round_robin", lambda: Gateway(bed, engines, [*exact, "--policy", "round_robin"], name="kvroute-rr"), False)
-            )
+        # (label, router factory, the kvroute policy its shadows use: "" the default, None no shadow)
+        fronts: list[tuple[str, Any, str | None]] = []
+        for want in wanted:
+            if want == "kvroute":
+                fronts.append(("kvroute (default policy)", lambda: Gateway(bed, engines, exact, name="kvroute-default"), ""))
+            elif want == "kvroute+nopending":
+                args = [*exact, "--no-pending-prefixes"]
+                fronts.append(
+                    ("kvroute (default, no pending prefixes)", lambda args=args: Gateway(bed, engines, args, name="kvroute-nopend"), None)
+                )
+            elif want == "round_robin" or want.startswith("kvroute:"):
+                pol = want.split(":", 1)[1] if ":" in want else want
+                fronts.append(
+                    (f"kvroute {pol}", lambda pol=pol: Gateway(bed, engines, [*exact, "--policy", pol], name=f"kvroute-{pol}"), pol)
+                )
         for key, exe, label in (
             ("sglang", a.sglang_router, "sglang-router cache_aware"),
             ("vllm", a.vllm_router, "vllm-router cache_aware"),
@@ -363,18 +462,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             cmd = [exe, "launch"] if key == "sglang" else [exe]
             cmd += ["--worker-urls", *urls, "--policy", "cache_aware"]
-            fronts.append((label, lambda cmd=cmd, key=key: Peer(bed, key, cmd), False))
-        for name, make, shadow in fronts:
-            r = run(name, engines, make(), convs, a.threads, shadow, desc)
-            results.append(r)
-            print(f"{name}: done in {r.wall_s:.0f} s ({time.monotonic() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
+            fronts.append((label, lambda cmd=cmd, key=key: Peer(bed, key, cmd), None))
+        # Seed by seed, every router in turn: a drift in the host's load touches every router alike.
+        for seed in seeds:
+            convs = workload(words, a.systems, a.conversations, a.turns, seed)
+            for name, make, shadow in fronts:
+                r = run(name, engines, make(), convs, a.threads, shadow, desc)
+                r.seed = seed
+                results.append(r)
+                print(
+                    f"{name} seed {seed}: hit {r.hit_rate:.3f} in {r.wall_s:.0f} s ({time.monotonic() - t_start:.0f} s so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if not a.no_pd:
+        convs = workload(words, a.systems, a.conversations, a.turns, seeds[0])
         with tempfile.TemporaryDirectory(prefix="kvroute-pd-kv-") as kvdir:
             cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": kvdir}}
             pd_args = ["--kv-transfer-config", json.dumps(cfg)]
             with bed.running(2, num_blocks=a.num_blocks, extra_args=pd_args) as (p, d):
                 gw = Gateway(bed, [p, d], [*exact, "--pd-convention", "vllm"], name="kvroute-pd", prefill=[p])
-                r = run("kvroute PD (vllm)", [p, d], gw, convs, a.threads, False, f"1P1D {a.num_blocks} blk")
+                r = run("kvroute PD (vllm)", [p, d], gw, convs, a.threads, None, f"1P1D {a.num_blocks} blk")
+                r.seed = seeds[0]
                 results.append(r)
                 print(f"PD: done in {r.wall_s:.0f} s ({time.monotonic() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
 
@@ -383,9 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens each), {a.systems} system prompts, {a.conversations} "
         f"conversations x {a.turns} turns = {turns} streamed chat requests per router, {a.threads} client threads, max_tokens {MAX_TOKENS}, "
-        f"seed {a.seed}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t_start:.0f} s in all"
+        f"seeds {a.seeds}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t_start:.0f} s in all"
     )
     print_table(rows)
+    if len(seeds) > 1:
+        print_summary(rows)
     if a.json:
         for r in rows:
             print(json.dumps(r))

@@ -239,3 +239,19 @@ def test_kvroute_serve_local_prefill_max_tokens() -> None:
         router_config("--local-prefill-max-tokens", "-1")
     with pytest.raises(argparse.ArgumentTypeError, match="vllm"):
         router_config("--local-prefill-max-tokens", "64", "--pd-convention", "sglang")
+
+
+def test_kvroute_serve_no_pending_prefixes() -> None:
+    """Pending prefixes are on in the gateway's Router unless --no-pending-prefixes."""
+    import argparse
+
+    from kvroute.gateway.cli import add_serve_parser, build_gateway
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+
+    def router_config(*argv: str) -> dict[str, object]:
+        return dict(build_gateway(parser.parse_args(["serve", "--worker", "http://w:1", *argv])).router.config)
+
+    assert router_config()["pending_prefixes"] is True
+    assert router_config("--no-pending-prefixes")["pending_prefixes"] is False

@@ -20,6 +20,8 @@ def prompt(seed: int, n: int) -> np.ndarray:
 
 
 def make(policy: str, n: int = 2, **kw) -> Router:
+    """Overlap from the index alone unless asked (tests/test_router_pending.py covers pending prefixes)."""
+    kw.setdefault("pending_prefixes", False)
     r = Router(policy=policy, **kw)
     for w in range(n):
         r.add_worker(w, prefill_tokens_per_s=SPEED)
@@ -75,7 +77,7 @@ def test_cache_only_overlap_then_queue():
 
 
 def _cache_aware(load0: int, load1: int, hit_blocks: int, **kw) -> tuple[int, str]:
-    r = Router(policy="cache_aware", **kw)
+    r = Router(policy="cache_aware", pending_prefixes=False, **kw)  # the loading requests' prefixes stay uncached
     r.add_worker(0)
     r.add_worker(1)
     p = prompt(5, 640)  # 10 blocks

@@ -134,6 +134,9 @@ class WorkerLoad(TypedDict):
     observed_waiting: int | None
     observed_running: int | None
     observed_kv_usage: float | None
+    prefill_samples: int
+    learned_overhead_s: float | None
+    learned_prefill_tokens_per_s: float | None
 
 class Decision:
     """The outcome of `Router.route`."""
@@ -214,7 +217,11 @@ class Router:
         local_prefill_max_tokens: int = 0,
         prefill_busy_queue_s: float | None = None,
         optimistic_insert: bool = False,
+        pending_prefixes: bool = True,
+        pending_grace_s: float = 1.0,
+        pending_ttl_s: float = 60.0,
         hash_seed: int = 1337,
+        ttft_model: Literal["configured", "learned"] = "configured",
         index: KvIndex | None = None,
     ) -> None: ...
     def add_worker(
@@ -257,6 +264,14 @@ class Router:
     def load(self, worker: int, *, now: float | None = None) -> WorkerLoad: ...
     @property
     def num_in_flight(self) -> int: ...
+    def num_pending_blocks(self, now: float | None = None) -> int:
+        """(block, worker) pairs counted as cached on a worker because a request was routed there
+        and its engine's KV events cannot have reported them yet (``pending_prefixes``).
+
+        >>> r = Router(); r.add_worker(0); _ = r.route(list(range(128)), now=0.0, request_id=1)
+        >>> r.num_pending_blocks(now=0.0)
+        2
+        """
     @property
     def index(self) -> KvIndex: ...
     @property

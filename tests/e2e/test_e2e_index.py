@@ -10,9 +10,12 @@ import vllm_bed
 
 vllm_bed.skip_unless_bed()
 
+import os
 import random
 import re
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import kvroute
@@ -25,7 +28,11 @@ EVENT_WAIT = 15.0  # seconds an engine's KV events may take to reach the index a
 
 
 def words() -> list[str]:
-    text = (vllm_bed.ROOT / "README.md").read_text(encoding="utf-8")
+    """The workload's vocabulary: a fixed list (``words.txt``, the words of README.md at main
+    b5f1eba). It used to be read from README.md itself, so every README edit changed every prompt
+    and with them how often the workload hits (branch pol's README edit took it from 10 hits to 8
+    under any Router; docs/e2e.md)."""
+    text = (Path(__file__).parent / "words.txt").read_text(encoding="utf-8")
     return sorted(set(re.findall(r"[A-Za-z]{3,}", text)))
 
 
@@ -37,6 +44,13 @@ class Row:
     overlap_blocks: int
     predicted: int
     actual: int
+    # Diagnostics, printed with a mismatch (every row with KVROUTE_E2E_DIAG=1, and the engine's
+    # prefix-cache counters): the index's own overlap per worker before routing, the Router's
+    # pending (block, worker) pairs then, seconds since the previous row.
+    index_blocks: dict[int, int]
+    pending: int
+    dt: float
+    engine: str = ""
 
 
 def expected_cached(overlap_blocks: int, num_tokens: int) -> int:
@@ -59,6 +73,8 @@ class Mirror:
         self.rows: list[Row] = []
         self.seen: list[np.ndarray[Any, Any]] = []
         self._sync_n = 0
+        self._last = time.monotonic()
+        self.diag = bool(os.environ.get("KVROUTE_E2E_DIAG"))
 
     def subscriber(self, index: kvroute.KvIndex) -> KvEventSubscriber:
         return KvEventSubscriber(
@@ -72,6 +88,8 @@ class Mirror:
     def send(self, what: str, body: dict[str, Any], worker: int | None = None, wait: bool = True) -> Row:
         p = self.prompter.prompt(body, "messages" in body)
         rid = len(self.rows)
+        index_blocks = {int(w): int(n) for w, n in self.router.index.match(p.hashes).to_dict().items()}
+        pending = self.router.num_pending_blocks()
         d = self.router.route(hashes=p.hashes, num_tokens=p.num_tokens, worker=worker, request_id=rid)
         predicted = expected_cached(d.overlap_blocks, p.num_tokens)
         out = self.engines[d.worker].complete({**body, "max_tokens": 1, "temperature": 0})
@@ -80,7 +98,26 @@ class Mirror:
         assert usage["prompt_tokens"] == p.num_tokens, (
             f"{what}: kvroute counted {p.num_tokens} prompt tokens, vLLM {usage['prompt_tokens']}"
         )
-        row = Row(what, d.worker, p.num_tokens, d.overlap_blocks, predicted, usage["prompt_tokens_details"]["cached_tokens"])
+        now = time.monotonic()
+        row = Row(
+            what,
+            d.worker,
+            p.num_tokens,
+            d.overlap_blocks,
+            predicted,
+            usage["prompt_tokens_details"]["cached_tokens"],
+            index_blocks,
+            pending,
+            round(now - self._last, 3),
+        )
+        self._last = now
+        if self.diag:
+            e = self.engines[d.worker]
+            row.engine = (
+                f"hits={e.metric('vllm:prefix_cache_hits_total'):.0f} queries={e.metric('vllm:prefix_cache_queries_total'):.0f}"
+                f" stored/removed={self.sub.stats()['blocks_stored']}/{self.sub.stats()['blocks_removed']}"
+            )
+            print(row, flush=True)
         self.rows.append(row)
         self.seen.append(p.hashes)
         # The engine publishes this prompt's stores (and the evictions they caused) on the step that
@@ -168,7 +205,8 @@ def test_index_mirrors_engines(live_engines: list[vllm_bed.Engine]) -> None:
             m.send(what, body)
         stats = m.sub.stats()
         assert stats["blocks_removed"] > 0, f"the workload should evict (32 blocks per engine): {stats}"
-        assert sum(r.actual > 0 for r in m.rows) >= 10, "the workload should hit the prefix cache"
+        hits = sum(r.actual > 0 for r in m.rows)
+        assert hits >= 10, f"the workload should hit the prefix cache: {hits} hits in {len(m.rows)} requests"
 
         # 2. A subscriber that connects late rebuilds the same index from the engines' replay buffers.
         late_sub.start()

@@ -62,6 +62,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     r.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="TPOT SLO in seconds")
     r.add_argument("--no-reject", action="store_true", help="never reject early (route to the best worker even past the SLO)")
     r.add_argument(
+        "--no-pending-prefixes",
+        action="store_true",
+        help="overlap from KV events only (do not count a routed request's prefix on its worker until its events arrive)",
+    )
+    r.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -117,7 +122,13 @@ def build_gateway(a: argparse.Namespace) -> Any:
 
     kv_events = _mapping(a.kv_events, "--kv-events")
     block_size = a.block_size or (16 if kv_events else 64)
-    router_kw: dict[str, Any] = {"block_size": block_size, "ttft_slo": a.ttft_slo, "tpot_slo": a.tpot_slo, "reject": not a.no_reject}
+    router_kw: dict[str, Any] = {
+        "block_size": block_size,
+        "ttft_slo": a.ttft_slo,
+        "tpot_slo": a.tpot_slo,
+        "reject": not a.no_reject,
+        "pending_prefixes": not a.no_pending_prefixes,
+    }
     if a.policy:
         router_kw["policy"] = a.policy
     if a.local_prefill_max_tokens < 0:

@@ -113,9 +113,15 @@ def make_router(
     """A `kvroute.Router` over `index` (fed only by the engines' KV events) with the cluster's
     workers 0..n-1 registered as unified workers at the cluster's prefill speed. The TTFT SLO is
     always given (policies such as "slack" plan with it); ``reject`` turns on early rejection;
-    ``options`` are passed on to `kvroute.Router` (e.g. ``prefill_weight=3.0``)."""
+    ``options`` are passed on to `kvroute.Router` (e.g. ``prefill_weight=3.0``).
+
+    The TTFT model is ``"configured"`` (the Router's default too) unless an option says
+    otherwise: the simulated engines prefill at exactly the registered speed, one request after
+    another, so the configured model (the virtual-time FIFO queue) is their exact TTFT and there
+    is nothing to learn; ``router_options={"ttft_model": "learned"}`` runs the learned one."""
     from kvroute import Router
 
+    options.setdefault("ttft_model", "configured")
     pd = cluster.decode_instances > 0
     if pd:
         for k in ("decode_step_s", "kv_bytes_per_token", "link_bytes_per_s", "link_latency_s", "kv_compression"):

@@ -4,7 +4,9 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_core::router::{Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, WorkerSpec};
+use kvroute_core::router::{
+    Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, TtftModel, WorkerSpec,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -93,7 +95,8 @@ impl PyRouter {
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
-        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false, hash_seed = 1337, index = None
+        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false,
+        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, hash_seed = 1337, ttft_model = "configured", index = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -129,9 +132,15 @@ impl PyRouter {
         local_prefill_max_tokens: u64,
         prefill_busy_queue_s: Option<f64>,
         optimistic_insert: bool,
+        pending_prefixes: bool,
+        pending_grace_s: f64,
+        pending_ttl_s: f64,
         hash_seed: u64,
+        ttft_model: &str,
         index: Option<&Bound<'_, PyKvIndex>>,
     ) -> PyResult<Self> {
+        let ttft_model = TtftModel::from_name(ttft_model)
+            .ok_or_else(|| PyValueError::new_err(format!("ttft_model must be 'learned' or 'configured', got {ttft_model:?}")))?;
         let block_size = crate::convert::check_block_size(block_size)?;
         let tie_break = TieBreak::from_name(tie_break)
             .ok_or_else(|| PyValueError::new_err(format!("tie_break must be 'rotate' or 'lowest', got {tie_break:?}")))?;
@@ -171,6 +180,10 @@ impl PyRouter {
             local_prefill_max_tokens,
             prefill_busy_queue_s,
             optimistic_insert,
+            pending_prefixes,
+            pending_grace_s,
+            pending_ttl_s,
+            ttft_model,
         };
         let index = index.map(|i| i.get().inner.clone());
         Ok(PyRouter { inner: Arc::new(Router::new(cfg, index).map_err(to_py)?) })
@@ -310,6 +323,9 @@ impl PyRouter {
         d.set_item("observed_waiting", w.observed.waiting)?;
         d.set_item("observed_running", w.observed.running)?;
         d.set_item("observed_kv_usage", w.observed.kv_usage)?;
+        d.set_item("prefill_samples", w.prefill_fit.samples())?;
+        d.set_item("learned_overhead_s", w.prefill_fit.fitted.map(|(a, _)| a))?;
+        d.set_item("learned_prefill_tokens_per_s", w.prefill_fit.fitted.map(|(_, b)| if b > 0.0 { 1.0 / b } else { f64::INFINITY }))?;
         Ok(d)
     }
 
@@ -317,6 +333,13 @@ impl PyRouter {
     #[getter]
     fn num_in_flight(&self) -> usize {
         self.inner.num_in_flight()
+    }
+
+    /// Distinct (block, worker) pairs counted as cached because this router sent a request
+    /// there whose KV events cannot have arrived yet (`pending_prefixes`), at `now`.
+    #[pyo3(signature = (now = None))]
+    fn num_pending_blocks(&self, now: Option<f64>) -> PyResult<usize> {
+        self.inner.num_pending_blocks(now).map_err(to_py)
     }
 
     /// The KvIndex the router matches against (shared, not a copy).
@@ -367,7 +390,11 @@ impl PyRouter {
         d.set_item("local_prefill_max_tokens", c.local_prefill_max_tokens)?;
         d.set_item("prefill_busy_queue_s", c.prefill_busy_queue_s)?;
         d.set_item("optimistic_insert", c.optimistic_insert)?;
+        d.set_item("pending_prefixes", c.pending_prefixes)?;
+        d.set_item("pending_grace_s", c.pending_grace_s)?;
+        d.set_item("pending_ttl_s", c.pending_ttl_s)?;
         d.set_item("hash_seed", c.hash_seed)?;
+        d.set_item("ttft_model", c.ttft_model.name())?;
         Ok(d)
     }
 

@@ -13,6 +13,7 @@
 
 mod dump;
 mod holders;
+mod removals;
 mod shard;
 mod slab;
 
@@ -26,6 +27,7 @@ use hashbrown::{HashMap, HashTable};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
+pub use removals::{Removal, Since};
 use shard::{mix, Shard, FREE, ORPHAN, ROOT};
 
 /// Number of shards; a power of two.
@@ -123,6 +125,8 @@ pub struct KvIndex {
     counters: Counters,
     /// Engine block hash -> sequence hash, per worker, for live KV events (`crate::events`).
     pub(crate) engine_maps: crate::events::EngineMaps,
+    /// Removals in order, for readers that subscribed (the Router's pending prefixes).
+    removals: removals::RemovalLog,
 }
 
 const HINT_SLOTS: usize = 1 << 14;
@@ -200,6 +204,7 @@ impl KvIndex {
             hint: (0..HINT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             counters: Counters::default(),
             engine_maps: Default::default(),
+            removals: Default::default(),
         }
     }
 
@@ -557,6 +562,11 @@ impl KvIndex {
     /// Records that `worker` no longer holds `hashes` on `tiers` (`ANY_TIER`: anywhere).
     /// Returns the number of (block, worker) entries removed; unknown blocks are counted.
     pub fn remove(&self, worker: WorkerId, hashes: &[u64], tiers: TierMask) -> usize {
+        // Logged before it is applied: a reader that matched before the removal and reads the
+        // log after it sees the record, whichever order their locks come in.
+        if self.removals.on() {
+            self.removals.record(hashes.iter().map(|&h| Removal::Block(worker, h)));
+        }
         let Some((_reg, slot)) = self.existing_slot(worker) else {
             self.counters.unknown_removals.fetch_add(hashes.len() as u64, Relaxed);
             return 0;
@@ -611,6 +621,9 @@ impl KvIndex {
 
     /// `clear` without dropping the worker's engine map (the event path resets that itself).
     pub(crate) fn clear_blocks(&self, worker: WorkerId) -> usize {
+        if self.removals.on() {
+            self.removals.record(std::iter::once(Removal::Worker(worker)));
+        }
         let Some((_reg, slot)) = self.existing_slot(worker) else { return 0 };
         self.clear_slot(slot)
     }
@@ -628,6 +641,9 @@ impl KvIndex {
     /// Forgets a worker entirely. Returns the entries removed (0 for an unknown worker).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
         self.engine_maps.forget(worker);
+        if self.removals.on() {
+            self.removals.record(std::iter::once(Removal::Worker(worker)));
+        }
         let mut reg = self.registry.write();
         let Some(slot) = reg.slot_of.remove(&worker) else { return 0 };
         let entries = self.clear_slot(slot);
@@ -635,6 +651,26 @@ impl KvIndex {
         reg.free.push(slot);
         self.slot_ids.store(Arc::new(reg.ids.clone()));
         entries
+    }
+
+    // ---- the removal log ---------------------------------------------------------------
+
+    /// Starts recording removals (`remove`, `clear`, `remove_worker`; not the index's own
+    /// capacity evictions, which say nothing of what an engine holds) for one more reader, and
+    /// returns its cursor: `removals_since` delivers what is removed after this call.
+    pub fn subscribe_removals(&self) -> u64 {
+        self.removals.subscribe()
+    }
+
+    /// Ends one reader's subscription; with none left nothing is recorded.
+    pub fn unsubscribe_removals(&self) {
+        self.removals.unsubscribe()
+    }
+
+    /// Calls `f` for every removal since `cursor`, in order, and moves `cursor` past them.
+    /// `Since::Lost` when the bounded log dropped records this reader had not seen.
+    pub fn removals_since(&self, cursor: &mut u64, f: impl FnMut(Removal)) -> Since {
+        self.removals.since(cursor, f)
     }
 
     // ---- reads -----------------------------------------------------------------------

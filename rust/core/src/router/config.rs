@@ -87,6 +87,35 @@ impl DecodeRule {
     }
 }
 
+/// Where the Router's TTFT prediction (queueing delay + prefill time per worker) comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TtftModel {
+    /// The registered `prefill_tokens_per_s` and the virtual-time FIFO queue (the seed's model;
+    /// exact for engines that prefill at that speed one request at a time, as the simulator's do).
+    Configured,
+    /// The same virtual-time queue, with each worker's prefill time learned online from the
+    /// prefills the router sees finish (`prefill_done`): overhead + seconds_per_token * uncached
+    /// tokens, see `PrefillFit`; the configured speed until it has `PrefillFit::MIN_SAMPLES`
+    /// measurements of that worker.
+    Learned,
+}
+
+impl TtftModel {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "configured" => Some(TtftModel::Configured),
+            "learned" => Some(TtftModel::Learned),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TtftModel::Configured => "configured",
+            TtftModel::Learned => "learned",
+        }
+    }
+}
+
 /// Everything a Router is configured with; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -176,6 +205,19 @@ pub struct RouterConfig {
     pub prefill_busy_queue_s: Option<f64>,
     /// Record the routed prefix in the index at once (approximate mode, without KV events).
     pub optimistic_insert: bool,
+    /// Count a routed request's full blocks as cached on its prefill worker until the engine's KV
+    /// events can have reported them (see `pending.rs`): a policy sees, per worker, the longer of
+    /// the index's overlap and this pending one.
+    pub pending_prefixes: bool,
+    /// Seconds a pending prefix outlives its request's `prefill_done` (or `finished`): the lag
+    /// of the engine's KV events behind the prefill that computed the blocks.
+    pub pending_grace_s: f64,
+    /// Seconds a tracked request's prefix stays pending when its prefill is never reported (a
+    /// caller that never calls `prefill_done` / `finished` / `cancel`): bounds the memory.
+    pub pending_ttl_s: f64,
+    /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
+    /// and docs/router.md for why learning is not the default yet).
+    pub ttft_model: TtftModel,
 }
 
 impl Default for RouterConfig {
@@ -216,6 +258,10 @@ impl Default for RouterConfig {
             local_prefill_max_tokens: 0,
             prefill_busy_queue_s: None,
             optimistic_insert: false,
+            pending_prefixes: true,
+            pending_grace_s: 1.0,
+            pending_ttl_s: 60.0,
+            ttft_model: TtftModel::Configured,
         }
     }
 }
@@ -297,6 +343,10 @@ impl RouterConfig {
         if let Some(q) = self.prefill_busy_queue_s {
             finite_nonneg("prefill_busy_queue_s", q)?;
         }
+        finite_nonneg("pending_grace_s", self.pending_grace_s)?;
+        check(self.pending_ttl_s.is_finite() && self.pending_ttl_s > 0.0, || {
+            format!("pending_ttl_s must be a finite number > 0 seconds, got {}", self.pending_ttl_s)
+        })?;
         Ok(())
     }
 

@@ -31,6 +31,87 @@ impl Default for WorkerSpec {
     }
 }
 
+/// An online fit of one worker's prefill time as `overhead + seconds_per_token * uncached tokens`,
+/// from the prefills the router sees finish (`prefill_done`): each one's *service time* is its
+/// finish minus the later of its routing and the previous finish there (the engine was busy with
+/// it from then on), regressed on its uncached tokens by exponentially weighted least squares (a
+/// sample's weight decays by `KEEP` per later sample: a memory of ~64 requests per worker).
+/// Why service time, not TTFT: TTFT = queueing + own work, and the queue is already modelled
+/// (the virtual-time queue, corrected by `prefill_done`); what the router lacks is the work per
+/// token. Over a busy period the service times sum to its length, so an engine that batches
+/// prefills (several finish close together) still gets its true throughput; on a FIFO engine of
+/// speed S (the simulator's) the fit is exactly `(0, 1 / S)`. The intercept holds what does not
+/// scale with tokens (HTTP, scheduling, the first decode step, running decodes' share).
+#[derive(Clone, Debug, Default)]
+pub struct PrefillFit {
+    weight: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    syy: f64,
+    samples: u64,
+    /// (overhead seconds, seconds per token) once fitted from `MIN_SAMPLES` measurements.
+    pub fitted: Option<(f64, f64)>,
+}
+
+impl PrefillFit {
+    /// Measurements before the fit replaces the configured model (two parameters, and noisy TTFTs).
+    pub const MIN_SAMPLES: u64 = 16;
+    /// A fitted slope is used only when it is this many standard errors above 0: where prefill
+    /// time shows no dependence on the tokens (an engine so fast that HTTP and scheduling jitter
+    /// is all one measures), the configured slope stays and only the overhead is learned.
+    pub const MIN_SLOPE_T: f64 = 3.0;
+    const KEEP: f64 = 1.0 - 1.0 / 64.0;
+
+    /// Adds one measurement: `x` uncached tokens served in `secs` seconds; `prior_spt` = the
+    /// configured seconds per token, the slope kept when the samples show no evidence of another.
+    pub fn add(&mut self, x: f64, secs: f64, prior_spt: f64) {
+        if !(x.is_finite() && secs.is_finite() && secs >= 0.0) {
+            return;
+        }
+        let k = Self::KEEP;
+        self.weight = self.weight * k + 1.0;
+        self.sx = self.sx * k + x;
+        self.sy = self.sy * k + secs;
+        self.sxx = self.sxx * k + x * x;
+        self.sxy = self.sxy * k + x * secs;
+        self.syy = self.syy * k + secs * secs;
+        self.samples += 1;
+        if self.samples >= Self::MIN_SAMPLES {
+            self.fitted = Some(self.solve(prior_spt));
+        }
+    }
+
+    fn solve(&self, prior_spt: f64) -> (f64, f64) {
+        let (mx, my) = (self.sx / self.weight, self.sy / self.weight);
+        let vxx = self.sxx / self.weight - mx * mx;
+        let cxy = self.sxy / self.weight - mx * my;
+        // A slope needs spread in x (1% of its mean), a positive covariance and evidence (its
+        // t statistic at least MIN_SLOPE_T); a line whose intercept comes out negative is refitted
+        // through the origin (least squares with the overhead held at 0). Without evidence the
+        // configured slope stays (the samples cannot tell it wrong) and the intercept takes the
+        // rest of the mean, if any.
+        if vxx > (0.01 * mx).powi(2) && vxx > 0.0 && cxy > 0.0 {
+            let b = cxy / vxx;
+            let vyy = self.syy / self.weight - my * my;
+            // Residual variance per unit weight, and the slope's standard error over ~weight samples.
+            let resid = (vyy - cxy * cxy / vxx).max(0.0);
+            let se = (resid / (vxx * (self.weight - 2.0).max(1.0))).sqrt();
+            if b >= Self::MIN_SLOPE_T * se {
+                let a = my - b * mx;
+                return if a >= 0.0 { (a, b) } else { (0.0, self.sxy / self.sxx) };
+            }
+        }
+        ((my - prior_spt * mx).max(0.0), prior_spt)
+    }
+
+    /// Measurements taken so far.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+}
+
 /// Latest engine-reported metrics (vLLM's `num_requests_waiting` / `running`, KV usage fraction).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Observed {
@@ -57,6 +138,10 @@ pub struct WorkerLoad {
     /// KV blocks those requests hold or will hold.
     pub decode_blocks: u64,
     pub observed: Observed,
+    /// The learned prefill time (`TtftModel::Learned`); unused while `prefill_fit.fitted` is None.
+    pub prefill_fit: PrefillFit,
+    /// When the last prefill here finished (`prefill_done`, `finished`); -inf before any.
+    pub last_prefill_done: f64,
 }
 
 impl WorkerLoad {
@@ -71,6 +156,8 @@ impl WorkerLoad {
             decoding: 0,
             decode_blocks: 0,
             observed: Observed::default(),
+            prefill_fit: PrefillFit::default(),
+            last_prefill_done: f64::NEG_INFINITY,
         }
     }
 
@@ -80,10 +167,29 @@ impl WorkerLoad {
         (self.busy_until - now).max(0.0)
     }
 
-    /// Seconds to prefill `uncached_tokens` here.
+    /// Seconds to prefill `uncached_tokens` here (learned model: its overhead included).
     #[inline]
     pub fn prefill_time(&self, uncached_tokens: u64) -> f64 {
-        uncached_tokens as f64 / self.spec.prefill_tokens_per_s
+        match self.prefill_fit.fitted {
+            Some((overhead, spt)) => overhead + spt * uncached_tokens as f64,
+            None => uncached_tokens as f64 / self.spec.prefill_tokens_per_s,
+        }
+    }
+
+    /// Seconds of compute for `tokens` tokens here, without a request's fixed overhead (what
+    /// recomputing evicted or fetched blocks costs).
+    #[inline]
+    pub fn token_time(&self, tokens: u64) -> f64 {
+        tokens as f64 / self.prefill_speed()
+    }
+
+    /// Prefill tokens per second: learned, or as registered.
+    #[inline]
+    pub fn prefill_speed(&self) -> f64 {
+        match self.prefill_fit.fitted {
+            Some((_, spt)) if spt > 0.0 => 1.0 / spt,
+            _ => self.spec.prefill_tokens_per_s,
+        }
     }
 
     /// Requests in flight: our own count, or the engine's report when it shows more.
@@ -159,4 +265,9 @@ pub struct InFlight {
     pub shift_at: f64,
     pub kv_blocks: u64,
     pub prefill_pending: bool,
+    /// When it was routed (the router's clock): with `prefill_done`, one sample of the learned
+    /// prefill time.
+    pub routed_at: f64,
+    /// Its entry in the router's pending prefixes, if one was recorded.
+    pub pending: Option<u64>,
 }

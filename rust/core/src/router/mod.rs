@@ -9,6 +9,7 @@ pub mod config;
 pub mod decision;
 pub mod decode;
 pub mod load;
+pub mod pending;
 pub mod policy;
 
 #[cfg(test)]
@@ -21,11 +22,12 @@ use std::time::Instant;
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-use crate::index::{KvIndex, MatchScratch, Matches, Tier, WorkerId, ANY_TIER};
-pub use config::{DecodeRule, Role, RouterConfig, TieBreak};
+use crate::index::{KvIndex, MatchScratch, Matches, Removal, Since, Tier, WorkerId, ANY_TIER};
+pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
-pub use load::{InFlight, Observed, WorkerLoad, WorkerSpec};
+pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
+use pending::PendingPrefixes;
 use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -87,6 +89,11 @@ struct State {
     /// some worker: how likely a cached block is to be asked for again ("capacity").
     reuse: f64,
     reuse_at: Option<f64>,
+    /// Prefixes routed but not yet confirmed by KV events (`RouterConfig::pending_prefixes`).
+    pending: PendingPrefixes,
+    pending_alive: Vec<WorkerId>,
+    /// Where this router is in the index's removal log (pending prefixes on).
+    removal_cursor: u64,
 }
 
 #[derive(Default)]
@@ -108,6 +115,14 @@ pub struct Router {
     epoch: Instant,
 }
 
+impl Drop for Router {
+    fn drop(&mut self) {
+        if self.cfg.pending_prefixes {
+            self.index.unsubscribe_removals();
+        }
+    }
+}
+
 fn check_time(now: f64, what: &str) -> Result<f64, RouterError> {
     if now.is_finite() && now >= 0.0 {
         Ok(now)
@@ -122,9 +137,12 @@ impl Router {
         cfg.validate()?;
         let policy = make_policy(&cfg).ok_or_else(|| RouterError::InvalidConfig(format!("unknown policy {:?}", cfg.policy)))?;
         let rng = Rng::new(cfg.seed);
+        let index = index.unwrap_or_else(|| Arc::new(KvIndex::new(None)));
+        // Pending prefixes end at the engine's removals, which the index logs for this router.
+        let removal_cursor = if cfg.pending_prefixes { index.subscribe_removals() } else { 0 };
         Ok(Router {
             policy,
-            index: index.unwrap_or_else(|| Arc::new(KvIndex::new(None))),
+            index,
             state: Mutex::new(State {
                 workers: Vec::new(),
                 pos: HashMap::new(),
@@ -141,6 +159,9 @@ impl Router {
                 offered_at: None,
                 reuse: 0.0,
                 reuse_at: None,
+                pending: PendingPrefixes::default(),
+                pending_alive: Vec::new(),
+                removal_cursor,
             }),
             epoch: Instant::now(),
             cfg,
@@ -201,6 +222,7 @@ impl Router {
         let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
         st.workers.remove(at);
         st.shifts.remove(at);
+        st.pending.remove_worker(id);
         Self::reindex(&mut st);
         Ok(())
     }
@@ -226,6 +248,15 @@ impl Router {
     /// Number of tracked in-flight requests.
     pub fn num_in_flight(&self) -> usize {
         self.state.lock().requests.len()
+    }
+
+    /// Distinct (block, worker) pairs counted as pending at `now` (see `pending_prefixes`);
+    /// expired entries are dropped first.
+    pub fn num_pending_blocks(&self, now: Option<f64>) -> Result<usize, RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        self.expire_pending(&mut st, now);
+        Ok(st.pending.num_blocks())
     }
 
     /// Folds in engine-reported metrics; `queue_delay` (seconds of queued prefill the engine
@@ -262,15 +293,26 @@ impl Router {
         if !rec.prefill_pending {
             return Err(RouterError::InvalidArgument(format!("prefill_done called twice for request {request_id}")));
         }
-        Self::finish_prefill(&mut st, &rec, now);
+        Self::finish_prefill(&mut st, &rec, now, self.cfg.ttft_model == TtftModel::Learned);
         st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
+        if let Some(tag) = rec.pending {
+            st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+        }
         Ok(())
     }
 
-    fn finish_prefill(st: &mut State, rec: &InFlight, now: f64) {
+    /// `measured`: `now` is when the first token came (`prefill_done`), so the request is one
+    /// sample of the learned prefill time: served from the later of its routing and the
+    /// previous finish there, until now.
+    fn finish_prefill(st: &mut State, rec: &InFlight, now: f64, measured: bool) {
         let Some(&at) = st.pos.get(&rec.prefill_worker) else { return };
         let shift = st.shifts[at];
         let w = &mut st.workers[at];
+        if measured {
+            let served = now - rec.routed_at.max(w.last_prefill_done);
+            w.prefill_fit.add(rec.uncached_tokens as f64, served, 1.0 / w.spec.prefill_tokens_per_s);
+        }
+        w.last_prefill_done = w.last_prefill_done.max(now);
         w.prefilling = w.prefilling.saturating_sub(1);
         w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
         if rec.prefill_worker != rec.decode_worker {
@@ -300,7 +342,10 @@ impl Router {
         let mut st = self.state.lock();
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
-            Self::finish_prefill(&mut st, &rec, now);
+            Self::finish_prefill(&mut st, &rec, now, false);
+            if let Some(tag) = rec.pending {
+                st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+            }
         }
         Self::release_decode(&mut st, &rec);
         Ok(())
@@ -312,6 +357,9 @@ impl Router {
         let mut st = self.state.lock();
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
+            if let Some(tag) = rec.pending {
+                st.pending.remove(tag);
+            }
             if let Some(&at) = st.pos.get(&rec.prefill_worker) {
                 let w = &mut st.workers[at];
                 w.prefilling = w.prefilling.saturating_sub(1);
@@ -370,7 +418,7 @@ impl Router {
                 None => req.hashes.expect("checked"),
             };
             self.index.match_into(hs, ANY_TIER, match_scratch, matches);
-            let d = self.decide(now, num_tokens, req, matches)?;
+            let d = self.decide(now, num_tokens, req, hs, matches)?;
             if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
                 // Best effort: an index at its capacity limit only forgets this guess (later
                 // matches come out shorter, never wrong); the decision itself stands.
@@ -406,7 +454,7 @@ impl Router {
             }
             _ => (0, 0.0),
         };
-        let evict_time = if self.cfg.eviction_weight > 0.0 { w.prefill_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
+        let evict_time = if self.cfg.eviction_weight > 0.0 { w.token_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -419,7 +467,7 @@ impl Router {
             predicted_ttft: queue_delay + prefill_time + transfer_time,
             in_flight: w.in_flight(),
             queued: w.prefilling.max(w.observed.waiting.unwrap_or(0)),
-            prefill_speed: w.spec.prefill_tokens_per_s,
+            prefill_speed: w.prefill_speed(),
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
             evict_time,
@@ -430,7 +478,31 @@ impl Router {
         }
     }
 
-    fn decide(&self, now: f64, num_tokens: u64, req: &RouteRequest<'_>, matches: &Matches) -> Result<Decision, RouterError> {
+    /// Drops what no longer counts as pending: blocks the engines reported removed since the
+    /// last look (the index's removal log), then entries past their expiry.
+    fn expire_pending(&self, st: &mut State, now: f64) {
+        if !self.cfg.pending_prefixes {
+            return;
+        }
+        let State { pending, removal_cursor, .. } = st;
+        let lost = self.index.removals_since(removal_cursor, |r| match r {
+            Removal::Block(w, h) => pending.void_block(w, h),
+            Removal::Worker(w) => pending.void_worker(w),
+        });
+        if lost == Since::Lost {
+            pending.void_all();
+        }
+        pending.expire(now);
+    }
+
+    fn decide(
+        &self,
+        now: f64,
+        num_tokens: u64,
+        req: &RouteRequest<'_>,
+        hashes: &[u64],
+        matches: &Matches,
+    ) -> Result<Decision, RouterError> {
         let cfg = &self.cfg;
         let bs = cfg.block_size as u64;
         let mut guard = self.state.lock();
@@ -452,6 +524,23 @@ impl Router {
         for (w, &d) in matches.workers.iter().zip(&matches.depths) {
             if let Some(&at) = st.pos.get(w) {
                 st.overlaps[at] = d;
+            }
+        }
+        if cfg.pending_prefixes {
+            // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
+            // holds only what the index lacked when it was routed). Workers without an index
+            // prefix share one walk from block 0; each worker with one continues from its end.
+            self.expire_pending(st, now);
+            let State { pending, pending_alive, overlaps, pos, .. } = st;
+            pending.overlaps(hashes, pending_alive, |w, d| {
+                if let Some(&at) = pos.get(&w) {
+                    overlaps[at] = overlaps[at].max(d);
+                }
+            });
+            for (w, &d) in matches.workers.iter().zip(&matches.depths) {
+                if let Some(&at) = pos.get(w) {
+                    overlaps[at] = overlaps[at].max(d + pending.run_from(hashes, d as usize, *w));
+                }
             }
         }
         let kv_need = (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs);
@@ -610,6 +699,19 @@ impl Router {
         let pw = &mut st.workers[p_at];
         let done_at = pw.enqueue_prefill(now, c.prefill_time);
         let busy_until = pw.busy_until;
+        // Tracked: pending until prefill_done / finished says when (TTL if never); untracked: until
+        // the predicted prefill end, the only end the router will know.
+        let pending = if cfg.pending_prefixes {
+            let full = ((num_tokens / bs) as usize).min(hashes.len());
+            let indexed = matches.workers.iter().position(|&w| w == c.worker).map_or(0, |i| matches.depths[i] as usize).min(full);
+            let until = match req.request_id {
+                Some(_) => now + cfg.pending_ttl_s,
+                None => done_at.max(now) + cfg.pending_grace_s,
+            };
+            st.pending.add(c.worker, &hashes[indexed..full], until)
+        } else {
+            None
+        };
         if let Some(id) = req.request_id {
             pw.prefilling += 1;
             pw.prefill_tokens += c.uncached_tokens;
@@ -631,6 +733,8 @@ impl Router {
                     shift_at,
                     kv_blocks: kv_need,
                     prefill_pending: true,
+                    routed_at: now,
+                    pending,
                 },
             );
         }
@@ -664,7 +768,7 @@ impl Router {
         st.offered_rate = st.offered_rate * decay + tokens as f64 / tau;
         st.offered_sq = st.offered_sq * decay + (tokens as f64).powi(2) / tau;
         st.offered_at = Some(st.offered_at.map_or(now, |t| t.max(now)));
-        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         if capacity > 0.0 {
             // Arrivals are (close to) a compound Poisson stream: the exponentially weighted rate
             // has variance lambda * E[tokens^2] / (2 tau), and offered_sq estimates lambda * E[tokens^2].
@@ -703,7 +807,7 @@ impl Router {
     pub fn offered_load(&self, now: Option<f64>) -> Result<f64, RouterError> {
         let now = self.now(now)?;
         let st = self.state.lock();
-        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.spec.prefill_tokens_per_s).sum();
+        let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
         let rate = st.offered_rate * (-dt / self.cfg.load_window()).exp();
         Ok(if capacity > 0.0 { rate / capacity } else { 0.0 })
@@ -758,7 +862,7 @@ impl Router {
             .max_by_key(|c| (c.overlap_blocks, std::cmp::Reverse(c.worker)))?;
         let bs = self.cfg.block_size as u64;
         let extra = (holder.overlap_blocks as u64 * bs).min(num_tokens) - (chosen.overlap_blocks as u64 * bs).min(num_tokens);
-        let recompute = workers[pos[&chosen.worker]].prefill_time(extra);
+        let recompute = workers[pos[&chosen.worker]].token_time(extra);
         (self.cfg.transfer_time(extra) < recompute).then_some(holder.worker)
     }
 }

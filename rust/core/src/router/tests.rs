@@ -1,8 +1,9 @@
 use super::*;
 use crate::hash::sequence_hashes;
 
+/// Overlap from the index alone (no pending prefixes): the policies' arithmetic as the seed states it.
 fn router(policy: &str, tie: TieBreak, n: u64) -> Router {
-    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, ..Default::default() };
+    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, pending_prefixes: false, ..Default::default() };
     let r = Router::new(cfg, None).unwrap();
     for w in 0..n {
         r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -89,7 +90,13 @@ fn cache_aware_balance_thresholds() {
 
 #[test]
 fn cache_aware_rel_threshold_and_cache_threshold() {
-    let cfg = RouterConfig { policy: "cache_aware".into(), balance_abs_threshold: 1.0, balance_rel_threshold: 3.0, ..Default::default() };
+    let cfg = RouterConfig {
+        policy: "cache_aware".into(),
+        balance_abs_threshold: 1.0,
+        balance_rel_threshold: 3.0,
+        pending_prefixes: false,
+        ..Default::default()
+    };
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -558,7 +565,13 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     let a = prompt(21, 2048);
     let other = prompt(22, 2048);
     let make = |policy: &str| {
-        let cfg = RouterConfig { policy: policy.into(), tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), ..Default::default() };
+        let cfg = RouterConfig {
+            policy: policy.into(),
+            tie_break: TieBreak::Lowest,
+            ttft_slo: Some(2.0),
+            pending_prefixes: false,
+            ..Default::default()
+        };
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
@@ -627,4 +640,257 @@ fn compressed_transfer_halves_the_bytes() {
     for bad in [0.0, 1.5, f64::NAN] {
         assert!(Router::new(RouterConfig { kv_compression: bad, ..Default::default() }, None).is_err());
     }
+}
+
+/// A FIFO engine the router does not know: it prefills at `speed` tokens/s after `overhead` s per
+/// request. Requests arrive every `gap` s with seeded lengths; the router hears `prefill_done`
+/// at each true finish time, in time order with the arrivals.
+fn drive_unknown_engine(model: TtftModel, speed: f64, overhead: f64, gap: f64, n: u64) -> Vec<(f64, f64)> {
+    let cfg = RouterConfig { policy: "ttft".into(), ttft_model: model, block_size: 32, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap(); // registered at 20000 tokens/s
+    let mut rng = policy::Rng::new(7);
+    let (mut busy, mut pending): (f64, Vec<(f64, u64)>) = (0.0, Vec::new());
+    let mut out = Vec::new();
+    for id in 0..n {
+        let now = id as f64 * gap;
+        pending.sort_by(|a, b| a.0.total_cmp(&b.0));
+        while pending.first().is_some_and(|p| p.0 <= now) {
+            let (t, rid) = pending.remove(0);
+            r.prefill_done(rid, Some(t)).unwrap();
+        }
+        let toks = prompt(id as u32 + 1000, 64 + rng.below(1500) as usize);
+        let d = r.route(&RouteRequest { tokens: Some(&toks), now: Some(now), request_id: Some(id), ..Default::default() }).unwrap();
+        busy = busy.max(now) + overhead + toks.len() as f64 / speed;
+        pending.push((busy, id));
+        out.push((d.predicted_ttft, busy - now));
+    }
+    out
+}
+
+#[test]
+fn learned_ttft_model_finds_an_engines_speed_and_overhead() {
+    // 2000 tokens/s (10x slower than registered) and 30 ms per request, loaded ~50% (mean ~780
+    // tokens = 0.42 s every 0.8 s): queues form and drain, and the fit sees each prefill's work.
+    let learned = drive_unknown_engine(TtftModel::Learned, 2000.0, 0.03, 0.8, 400);
+    let configured = drive_unknown_engine(TtftModel::Configured, 2000.0, 0.03, 0.8, 400);
+    let err = |v: &[(f64, f64)]| v[200..].iter().map(|(p, m)| (p - m).abs()).sum::<f64>() / 200.0;
+    let mean = configured[200..].iter().map(|x| x.1).sum::<f64>() / 200.0;
+    // Configured: 20000 tokens/s predicts a tenth of the prefill time (the queue it corrects by
+    // prefill_done's feedback, but not the work of the request itself).
+    assert!(err(&configured) > 0.25 * mean, "configured error {} vs mean TTFT {mean}", err(&configured));
+    // Learned: the FIFO engine's exact service time, so the virtual queue is exact too.
+    assert!(err(&learned) < 1e-6, "learned error {} vs mean TTFT {mean}", err(&learned));
+    assert_eq!(RouterConfig::default().ttft_model, TtftModel::Configured);
+    let r = Router::new(RouterConfig { ttft_model: TtftModel::Learned, ..Default::default() }, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    assert!(r.load(0).unwrap().prefill_fit.fitted.is_none(), "no samples, no fit");
+}
+
+#[test]
+fn prefill_fit_waits_for_samples_and_keeps_a_sane_shape() {
+    let mut f = PrefillFit::default();
+    for _ in 0..PrefillFit::MIN_SAMPLES - 1 {
+        f.add(1000.0, 0.5, 1e-4);
+    }
+    assert!(f.fitted.is_none());
+    // Every x equal: no slope to see; the configured slope stays, the rest is overhead.
+    f.add(1000.0, 0.5, 1e-4);
+    let (a, b) = f.fitted.unwrap();
+    assert_eq!(b, 1e-4);
+    assert!((a - 0.4).abs() < 1e-9, "{a}");
+    // Exact line y = 0.02 + x / 5000 over spread x: recovered.
+    let mut g = PrefillFit::default();
+    for i in 0..100 {
+        let x = (i * 37 % 2000) as f64;
+        g.add(x, 0.02 + x / 5000.0, 1e-4);
+    }
+    let (a, b) = g.fitted.unwrap();
+    assert!((a - 0.02).abs() < 1e-9 && (b - 2e-4).abs() < 1e-12, "{a} {b}");
+    // Pure noise around a constant (no dependence on x): no evidence of a slope, so the
+    // configured one stays, and the overhead takes what it leaves of the mean (none when the
+    // configured slope already predicts more than measured).
+    let noise = |prior: f64| {
+        let mut n = PrefillFit::default();
+        let mut rng = policy::Rng::new(11);
+        for i in 0..200 {
+            n.add((i * 37 % 2000) as f64, 0.003 + 0.002 * rng.next_f64(), prior);
+        }
+        n.fitted.unwrap()
+    };
+    assert_eq!(noise(1e-4), (0.0, 1e-4));
+    let (a, b) = noise(1e-7);
+    assert!(b == 1e-7 && a > 0.003 && a < 0.005, "{a} {b}");
+    // A weak positive slope under heavy noise is not evidence either.
+    let mut weak = PrefillFit::default();
+    let mut rng = policy::Rng::new(5);
+    for i in 0..200 {
+        let x = (i * 37 % 2000) as f64;
+        weak.add(x, 0.01 + 1e-8 * x + 0.02 * rng.next_f64(), 1e-6);
+    }
+    assert_eq!(weak.fitted.unwrap().1, 1e-6);
+    // Garbage samples are ignored, never a NaN in the model.
+    g.add(f64::NAN, 1.0, 1e-4);
+    g.add(10.0, -1.0, 1e-4);
+    assert_eq!(g.samples(), 100);
+    // A slope that would need a negative overhead goes through the origin instead.
+    let mut h = PrefillFit::default();
+    for i in 0..50 {
+        let x = 1000.0 + (i % 10) as f64 * 100.0;
+        h.add(x, (x - 900.0) / 1000.0, 1e-6);
+    }
+    let (a, b) = h.fitted.unwrap();
+    assert!(a >= 0.0 && b > 0.0, "{a} {b}");
+}
+
+// ---- pending prefixes ----------------------------------------------------------------------
+
+fn tracked(r: &Router, toks: &[u32], now: f64, id: u64) -> Decision {
+    r.route(&RouteRequest { tokens: Some(toks), now: Some(now), request_id: Some(id), ..Default::default() }).unwrap()
+}
+
+#[test]
+fn back_to_back_requests_with_a_new_prefix_share_a_worker() {
+    // A shared 1024-token system prompt nobody has cached, two different questions after it,
+    // routed before any KV event: with pending prefixes the second sees the first's 16 blocks.
+    let system = prompt(30, 1024);
+    let ask = |q: u32| [system.clone(), prompt(q, 200)].concat();
+    for (on, policy) in [(true, "slack"), (true, "cache_only"), (true, "cache_aware"), (false, "cache_only")] {
+        let cfg = RouterConfig { policy: policy.into(), pending_prefixes: on, ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..4 {
+            r.add_worker(w, WorkerSpec::default()).unwrap();
+        }
+        let a = tracked(&r, &ask(31), 0.0, 1);
+        let b = tracked(&r, &ask(32), 0.001, 2);
+        if on {
+            assert_eq!((b.worker, b.overlap_blocks), (a.worker, 16), "{policy}");
+            assert_eq!(r.num_pending_blocks(Some(0.001)).unwrap(), 16 + 3 + 3);
+        } else {
+            assert_eq!(b.overlap_blocks, 0);
+            assert_ne!(b.worker, a.worker, "cache_only without pending spreads by queue");
+        }
+    }
+}
+
+#[test]
+fn pending_prefixes_go_away_after_prefill_done_plus_grace() {
+    let cfg = RouterConfig { pending_grace_s: 0.5, pending_ttl_s: 30.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    let p = prompt(33, 640);
+    tracked(&r, &p, 0.0, 1);
+    tracked(&r, &prompt(34, 640), 0.0, 2);
+    tracked(&r, &prompt(35, 640), 0.0, 3);
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 30);
+    r.prefill_done(1, Some(0.2)).unwrap();
+    r.finished(2, Some(0.3)).unwrap(); // prefill never reported: finished ends it
+    r.cancel(3, Some(0.3)).unwrap(); // cancelled: nothing was computed, gone at once
+    assert_eq!(r.num_pending_blocks(Some(0.3)).unwrap(), 20);
+    assert_eq!(r.num_pending_blocks(Some(0.69)).unwrap(), 20);
+    assert_eq!(r.num_pending_blocks(Some(0.7)).unwrap(), 10);
+    assert_eq!(r.num_pending_blocks(Some(0.8)).unwrap(), 0);
+    // The index is the only source again.
+    assert_eq!(route(&r, &p, 1.0).overlap_blocks, 0);
+}
+
+#[test]
+fn untracked_requests_pend_until_their_predicted_prefill_end() {
+    let r = Router::new(RouterConfig { pending_grace_s: 0.25, ..Default::default() }, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    let p = prompt(36, 2000); // 0.1 s of prefill at 20k tokens/s
+    route(&r, &p, 0.0);
+    assert_eq!(route(&r, &p, 0.01).overlap_blocks, 31);
+    assert_eq!(r.num_pending_blocks(Some(0.349)).unwrap(), 31);
+    assert_eq!(r.num_pending_blocks(Some(0.36)).unwrap(), 0);
+}
+
+#[test]
+fn callers_that_never_report_are_bounded_by_the_ttl() {
+    // 10 tracked requests a second with distinct prompts, never finished: the pending set holds
+    // only the last TTL's worth.
+    let cfg = RouterConfig { pending_ttl_s: 2.0, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec { prefill_tokens_per_s: 1e9, ..Default::default() }).unwrap();
+    for i in 0..1000u64 {
+        tracked(&r, &prompt(1000 + i as u32, 640), i as f64 * 0.1, i);
+        assert!(r.num_pending_blocks(Some(i as f64 * 0.1)).unwrap() <= 21 * 10);
+    }
+    assert_eq!(r.num_pending_blocks(Some(100.0 + 2.0)).unwrap(), 0);
+    let st = r.state.lock();
+    assert_eq!((st.pending.num_entries(), st.pending.num_blocks()), (0, 0));
+}
+
+#[test]
+fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
+    for bad in [
+        RouterConfig { pending_grace_s: -1.0, ..Default::default() },
+        RouterConfig { pending_grace_s: f64::NAN, ..Default::default() },
+        RouterConfig { pending_ttl_s: 0.0, ..Default::default() },
+        RouterConfig { pending_ttl_s: f64::INFINITY, ..Default::default() },
+    ] {
+        assert!(matches!(Router::new(bad, None), Err(RouterError::InvalidConfig(_))));
+    }
+    let r = Router::new(RouterConfig::default(), None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    r.add_worker(1, WorkerSpec::default()).unwrap();
+    let p = prompt(37, 640);
+    let d = tracked(&r, &p, 0.0, 1);
+    r.remove_worker(d.worker).unwrap();
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 0);
+    r.add_worker(d.worker, WorkerSpec::default()).unwrap();
+    assert_eq!(route(&r, &p, 0.0).overlap_blocks, 0);
+}
+
+#[test]
+fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
+    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let p = prompt(38, 640);
+    store(&r, 1, &p[..512]); // the index: 8 of the 10 blocks on worker 1
+    let d = tracked(&r, &p, 0.0, 1);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 8));
+    assert_eq!(r.num_pending_blocks(Some(0.0)).unwrap(), 2);
+    let d = tracked(&r, &p, 0.0, 2);
+    assert_eq!((d.worker, d.overlap_blocks), (1, 10));
+    // The index loses the prefix (evicted): the pending tail alone is no prefix.
+    r.index().remove(1, &sequence_hashes(&p[..512], 64, crate::DEFAULT_SEED, None), ANY_TIER);
+    assert_eq!(tracked(&r, &p, 0.0, 3).overlap_blocks, 0);
+}
+
+#[test]
+fn a_pending_block_its_engine_removed_no_longer_counts() {
+    // What the real-engine test (tests/e2e/test_e2e_index.py) saw, as an event sequence: A is
+    // routed to worker 0 (its 10 blocks pending there), finishes, its stores arrive; the engine
+    // then evicts A's last 5 blocks for the next request, all within the grace after A's end.
+    // A request with A's prompt must see the 5 blocks the engine still holds, not 10.
+    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let p = prompt(39, 640);
+    let hs = sequence_hashes(&p, 64, crate::DEFAULT_SEED, None);
+    let a = tracked(&r, &p, 0.0, 1);
+    assert_eq!((a.worker, a.overlap_blocks), (0, 0));
+    r.finished(1, Some(0.1)).unwrap();
+    store(&r, 0, &p);
+    r.index().remove(0, &hs[5..], ANY_TIER);
+    assert_eq!(r.num_pending_blocks(Some(0.2)).unwrap(), 5, "the blocks still held stay pending until the grace ends");
+    let c = tracked(&r, &p, 0.2, 2);
+    assert_eq!((c.worker, c.overlap_blocks), (0, 5));
+    // C re-pends hs[5..] on worker 0; the engine then drops its whole cache (AllBlocksCleared).
+    r.index().clear(0);
+    assert_eq!(tracked(&r, &p, 0.3, 3).overlap_blocks, 0);
+    // A removal applied before a request is routed does not void that request's pending blocks.
+    let q = prompt(40, 640);
+    for w in 0..2 {
+        r.index().remove(w, &sequence_hashes(&q, 64, crate::DEFAULT_SEED, None), ANY_TIER);
+    }
+    tracked(&r, &q, 0.4, 4);
+    assert_eq!(tracked(&r, &q, 0.5, 5).overlap_blocks, 10);
+    // Without pending prefixes the Router does not subscribe to the index's removals.
+    let off = Router::new(RouterConfig { pending_prefixes: false, ..Default::default() }, Some(r.index().clone())).unwrap();
+    drop(off);
 }
