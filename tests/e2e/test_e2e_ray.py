@@ -75,7 +75,10 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
     assert hits >= 8 * 2 * BLOCK_SIZE, f"follow-up turns hit only {hits} cached tokens"
     poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
     leases = [rs[0]["leases"] for rs in app.routers().values()]
-    assert sum(lz["opened"] for lz in leases) == 12 and all(lz["opened"] == lz["finished"] for lz in leases), leases
+    # 12 requests, each finished once. Serve may ask a router again for a request whose first pick
+    # turned it away (a replica's queue probe timing out on a loaded host): that lease is cancelled.
+    assert sum(lz["finished"] for lz in leases) == 12, leases
+    assert all(lz["failed"] == 0 and lz["opened"] == lz["finished"] + lz["cancelled"] for lz in leases), leases
 
 
 def test_concurrent_requests_no_errors(app: App) -> None:
