@@ -65,6 +65,22 @@ fn take_after(nodes: &mut Slab<Node>, p: u32) -> Option<u32> {
     None
 }
 
+/// Puts `node` in the slot right after `p` if that slot is reserved for `p`'s run or is the
+/// slab's end: where `p`'s first child goes without a move. Gives the node back otherwise.
+#[inline]
+fn put_after(nodes: &mut Slab<Node>, p: u32, node: Node) -> Result<u32, Node> {
+    let after = p as usize + 1;
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(node);
+        return Ok(after as u32);
+    }
+    if is_reserved(nodes, after) {
+        nodes[after] = node;
+        return Ok(after as u32);
+    }
+    Err(node)
+}
+
 #[derive(Default)]
 pub(crate) struct Shard {
     pub nodes: Slab<Node>,
@@ -158,8 +174,12 @@ impl Shard {
         let want = (self.table.len() + extra).max(self.table.capacity() * 2).max(64);
         let mut t = HashTable::with_capacity(want);
         let nodes = &self.nodes;
-        for &i in self.table.iter() {
-            t.insert_unique(mix(nodes[i as usize].hash), i, |&j| mix(nodes[j as usize].hash));
+        // Every live node has its entry: read them in slab order (sequential, no chunk lookup per
+        // entry) rather than in table order (a random node read per entry).
+        for (i, n) in nodes.iter().enumerate() {
+            if n.parent != FREE {
+                t.insert_unique(mix(n.hash), i as u32, |&j| mix(nodes[j as usize].hash));
+            }
         }
         t
     }
@@ -199,13 +219,13 @@ impl Shard {
         };
         let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
         // One table probe, unless the run under `parent` must move (rare: amortised).
-        let (i, parent) = match grow.then(|| take_after(&mut self.nodes, parent)).flatten() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
+        let placed = if grow { put_after(&mut self.nodes, parent, node) } else { Err(node) };
+        let (i, parent) = match placed {
+            Ok(i) => {
                 vacant.insert(i);
                 (i, parent)
             }
-            None if grow => {
+            Err(node) if grow => {
                 // (`vacant` is not used on this path, so its borrow of the table ends here.)
                 let placed = self.slot_under(parent);
                 let (i, parent) = match placed {
@@ -219,7 +239,7 @@ impl Shard {
                 self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
                 (i, parent)
             }
-            None => {
+            Err(node) => {
                 let i = match self.free.pop() {
                     Some(i) => {
                         self.nodes[i as usize] = node;
@@ -351,6 +371,16 @@ impl Shard {
         }
     }
 
+    /// Gives node `i`, created holder-less by this store, its first holder (slot, tier): an
+    /// `add_holder` without the arena's cases.
+    #[inline]
+    pub fn first_holder(&mut self, i: u32, slot: u32, tier: TierMask) {
+        let n = &mut self.nodes[i as usize];
+        debug_assert!(holders::is_empty(n.holders));
+        n.holders = holders::single(slot, tier);
+        self.bump(slot, 1);
+    }
+
     /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
     pub fn add_holder(&mut self, i: u32, slot: u32, tier: TierMask) -> (bool, bool) {
         let h = self.nodes[i as usize].holders;
@@ -375,6 +405,7 @@ impl Shard {
         (gone, self.prune(i))
     }
 
+    #[inline]
     fn bump(&mut self, slot: u32, d: i64) {
         let s = slot as usize;
         if s >= self.counts.len() {

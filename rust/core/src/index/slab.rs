@@ -48,6 +48,7 @@ impl<T> Slab<T> {
         self.chunks.extend(chunks);
     }
 
+    #[inline]
     pub fn push(&mut self, v: T) {
         if self.len == self.chunks.len() * CHUNK {
             self.chunks.push(Vec::with_capacity(CHUNK));
