@@ -366,7 +366,8 @@ impl KvIndex {
         let waiting = self.awaiting_len.load(Relaxed) > 0;
         let mut guess = u32::MAX;
         let mut full = false;
-        for (k, &h) in hashes.iter().enumerate() {
+        let mut k = 0;
+        while k < hashes.len() {
             if k % YIELD_EVERY == 0 && k > 0 {
                 // Let matches in every few blocks, so a long store never holds them up for long
                 // (they spin rather than park, so an unconditional release is what lets them in);
@@ -382,6 +383,26 @@ impl KvIndex {
                     }
                 }
             }
+            // The common case first: blocks the shard lacks, extending the run that ends at the
+            // leaf we chain under, in place (up to the next yield).
+            if prev < FREE {
+                let end = ((k / YIELD_EVERY + 1) * YIELD_EVERY).min(hashes.len());
+                let n = g.extend_run(prev, &hashes[k..end], tick, slot, tier.bit());
+                if n > 0 {
+                    created += n;
+                    new_entries += n;
+                    if waiting {
+                        linked.extend_from_slice(&hashes[k..k + n]);
+                    }
+                    prev += n as u32;
+                    prev_hash = Some(hashes[k + n - 1]);
+                    guess = prev.wrapping_add(1);
+                    k += n;
+                    continue;
+                }
+            }
+            let h = hashes[k];
+            k += 1;
             let (i, fresh) = match g.is_guess(h, prev, guess) {
                 true => (guess, false),
                 false => match g.find_or_create(h, prev, tick, true) {

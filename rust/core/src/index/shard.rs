@@ -371,6 +371,46 @@ impl Shard {
         }
     }
 
+    /// Extends the run that ends at leaf `prev` with new nodes for the leading `hashes` this shard
+    /// lacks, each in the slot right after the one before (reserved for the run, or the slab's
+    /// end), held by (`slot`, `tier`): a store's common case without `find_or_create`'s others.
+    /// Returns how many it appended, stopping at the first hash present, where the run cannot
+    /// grow in place, or at a full shard; nodes `prev + 1 ..= prev + n` are the new ones.
+    pub fn extend_run(&mut self, prev: u32, hashes: &[u64], tick: u32, slot: u32, tier: TierMask) -> usize {
+        if prev >= FREE || self.nodes[prev as usize].children != 0 {
+            return 0;
+        }
+        let hold = holders::single(slot, tier);
+        let mut p = prev as usize;
+        for &h in hashes {
+            let after = p + 1;
+            let at_end = after == self.nodes.len();
+            if !(at_end && after < MAX_NODES_PER_SHARD || is_reserved(&self.nodes, after)) {
+                break;
+            }
+            let nodes = &self.nodes;
+            let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
+                hashbrown::hash_table::Entry::Occupied(_) => break,
+                hashbrown::hash_table::Entry::Vacant(v) => v,
+            };
+            let node = Node { hash: h, holders: hold, tick: AtomicU32::new(tick), parent: p as u32, children: 0 };
+            if at_end {
+                self.nodes.push(node);
+            } else {
+                self.nodes[after] = node;
+            }
+            vacant.insert(after as u32);
+            self.nodes[p].children = 1;
+            p = after;
+        }
+        let n = p - prev as usize;
+        if n > 0 {
+            self.live += n;
+            self.bump(slot, n as i64);
+        }
+        n
+    }
+
     /// Gives node `i`, created holder-less by this store, its first holder (slot, tier): an
     /// `add_holder` without the arena's cases.
     #[inline]
