@@ -48,12 +48,13 @@ impl<T> Slab<T> {
         self.chunks.extend(chunks);
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn push(&mut self, v: T) {
-        if self.len == self.chunks.len() * CHUNK {
+        let c = self.len >> CHUNK_BITS;
+        if c == self.chunks.len() {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
-        self.chunks[self.len >> CHUNK_BITS].push(v);
+        self.chunks[c].push(v);
         self.len += 1;
     }
 
