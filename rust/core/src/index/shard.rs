@@ -176,9 +176,12 @@ impl Shard {
         let nodes = &self.nodes;
         // Every live node has its entry: read them in slab order (sequential, no chunk lookup per
         // entry) rather than in table order (a random node read per entry).
-        for (i, n) in nodes.iter().enumerate() {
-            if n.parent != FREE {
-                t.insert_unique(mix(n.hash), i as u32, |&j| mix(nodes[j as usize].hash));
+        for (c, chunk) in nodes.chunks().enumerate() {
+            let base = c * super::slab::CHUNK;
+            for (k, n) in chunk.iter().enumerate() {
+                if n.parent != FREE {
+                    t.insert_unique(mix(n.hash), (base + k) as u32, |&j| mix(nodes[j as usize].hash));
+                }
             }
         }
         t
@@ -393,18 +396,20 @@ impl Shard {
                 hashbrown::hash_table::Entry::Occupied(_) => break,
                 hashbrown::hash_table::Entry::Vacant(v) => v,
             };
-            let node = Node { hash: h, holders: hold, tick: AtomicU32::new(tick), parent: p as u32, children: 0 };
+            // Written as having one child (the next one); the last is corrected below.
+            let node = Node { hash: h, holders: hold, tick: AtomicU32::new(tick), parent: p as u32, children: 1 };
             if at_end {
                 self.nodes.push(node);
             } else {
                 self.nodes[after] = node;
             }
             vacant.insert(after as u32);
-            self.nodes[p].children = 1;
             p = after;
         }
         let n = p - prev as usize;
         if n > 0 {
+            self.nodes[prev as usize].children = 1;
+            self.nodes[p].children = 0;
             self.live += n;
             self.bump(slot, n as i64);
         }

@@ -4,7 +4,7 @@
 use std::ops::{Index, IndexMut};
 
 const CHUNK_BITS: u32 = 12;
-const CHUNK: usize = 1 << CHUNK_BITS;
+pub(crate) const CHUNK: usize = 1 << CHUNK_BITS;
 
 pub(crate) struct Slab<T> {
     chunks: Vec<Vec<T>>,
@@ -71,6 +71,11 @@ impl<T> Slab<T> {
             return &[];
         }
         &self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)..]
+    }
+
+    /// The chunks as slices, in slot order: chunk `c` holds slots `c * CHUNK ..`.
+    pub fn chunks(&self) -> impl Iterator<Item = &[T]> {
+        self.chunks.iter().map(Vec::as_slice)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &T> {
