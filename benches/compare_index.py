@@ -86,6 +86,7 @@ def build_dynamo(stream: Stream):
 
 
 DEFAULT_EVENTS = Path(__file__).parent / "data" / "vllm_events.json.gz"
+STORE_BUILDS = 3
 
 
 class Recording:
@@ -301,13 +302,18 @@ def main() -> None:
         sessions = streams[-1][1].sessions
         tree = None
         for label, stream in streams:
-            idx, dt, n = build_kvroute(stream)
-            ours = n / dt
-            theirs = None
-            if dyn:
-                tree, dt2, n2 = build_dynamo(stream)
-                theirs = n2 / dt2
-            row(f"W={workers} store, {label} (blocks/s)", ours, theirs, "blocks/s")
+            # Best of STORE_BUILDS fresh builds each, alternating: one build takes ~0.1 s, which
+            # a loaded host's scheduling can halve for either index at random.
+            ours = theirs = 0.0
+            for _ in range(STORE_BUILDS):
+                idx = None
+                idx, dt, n = build_kvroute(stream)
+                ours = max(ours, n / dt)
+                if dyn:
+                    tree = None
+                    tree, dt2, n2 = build_dynamo(stream)
+                    theirs = max(theirs, n2 / dt2)
+            row(f"W={workers} store, {label} (blocks/s, best of {STORE_BUILDS})", ours, theirs if dyn else None, "blocks/s")
         for blocks in (128, 1024):
             qs = long_sessions(sessions, blocks)[:300]
             q_seq = [s.seq[:blocks] for s in qs]

@@ -1,4 +1,4 @@
-"""Many threads at once on one KvIndex (each call releases the GIL): no crash, no deadlock,
+"""Many threads at once on one KvIndex (long calls release the GIL; short matches and stores run under it): no crash, no deadlock,
 and a final state equal to what each writer's own operations imply."""
 
 from __future__ import annotations

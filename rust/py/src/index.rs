@@ -24,6 +24,9 @@ fn parse_tiers(tier: Option<&str>) -> PyResult<TierMask> {
 
 /// Longest match (in blocks) run without releasing the GIL.
 const SHORT_MATCH: usize = 256;
+/// Longest store (in blocks) run without releasing the GIL, on an index without `max_nodes`
+/// (whose stores may evict, a scan of the whole index).
+const SHORT_STORE: usize = 64;
 
 /// A concurrent radix index over chained block hashes with per-worker membership.
 ///
@@ -66,6 +69,12 @@ impl PyKvIndex {
         let hs = extract_hashes(hashes)?;
         let s = hs.as_slice();
         let idx = &self.inner;
+        // Engines publish a few blocks per event: such a store takes well under a microsecond,
+        // of which releasing and retaking the GIL would be a tenth. Like a short match it never
+        // waits on Python: no thread holding a shard lock needs the GIL.
+        if s.len() <= SHORT_STORE && idx.max_nodes().is_none() {
+            return idx.store(w, s, parent, tier).map_err(index_err);
+        }
         py.detach(|| idx.store(w, s, parent, tier)).map_err(index_err)
     }
 

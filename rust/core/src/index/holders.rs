@@ -62,7 +62,7 @@ fn tag(h: Holders) -> u32 {
 }
 
 #[inline]
-fn single(slot: u32, tiers: TierMask) -> Holders {
+pub(crate) fn single(slot: u32, tiers: TierMask) -> Holders {
     debug_assert!(slot < MAX_WORKERS);
     (TAG_SINGLE << TAG_SHIFT) | ((tiers as u32) << SLOT_BITS) | slot
 }
@@ -98,6 +98,30 @@ pub(crate) struct HolderArena {
     interned: HashTable<u32>,
     /// The set being built by `add`/`remove`, compared against interned ones before it is copied.
     scratch: Vec<u64>,
+    /// The last `add` that led to a spilled set, and the last `remove` of a spilled set:
+    /// consecutive blocks of a store mostly make the very same change (a session's {w1} blocks
+    /// all become {w1, w2}), so repeating it needs no scratch set, content hash or probe.
+    /// Interned sets never change while used, so a memo stays true until a set is freed (which
+    /// clears both: a freed index may come back with other content).
+    memo_add: Option<Memo>,
+    memo_remove: Option<Memo>,
+}
+
+/// A holder change `from` + (slot, tiers) -> `to`, and whether it added or removed an entry.
+#[derive(Clone, Copy)]
+struct Memo {
+    from: Holders,
+    slot: u32,
+    tiers: TierMask,
+    to: Holders,
+    entry: bool,
+}
+
+impl Memo {
+    #[inline]
+    fn is(&self, from: Holders, slot: u32, tiers: TierMask) -> bool {
+        self.from == from && self.slot == slot && self.tiers == tiers
+    }
 }
 
 fn content_hash(words: &[u64]) -> u64 {
@@ -154,12 +178,27 @@ impl HolderArena {
         (TAG_MANY << TAG_SHIFT) | i
     }
 
+    /// Repeats the memoised change `m` for one more block: one more use of its result, one less
+    /// of its origin.
+    #[inline]
+    fn repeat(&mut self, m: Memo) -> Holders {
+        if tag(m.to) == TAG_MANY {
+            self.refs[(m.to & !(3 << TAG_SHIFT)) as usize] += 1;
+        }
+        if tag(m.from) == TAG_MANY {
+            self.release(m.from & !(3 << TAG_SHIFT));
+        }
+        m.to
+    }
+
     /// Drops one block's use of set `i`, freeing it with the last.
     fn release(&mut self, i: u32) {
         self.refs[i as usize] -= 1;
         if self.refs[i as usize] > 0 {
             return;
         }
+        self.memo_add = None;
+        self.memo_remove = None;
         let hash = content_hash(&self.sets[i as usize]);
         if let Ok(e) = self.interned.find_entry(hash, |&j| j == i) {
             e.remove();
@@ -225,6 +264,9 @@ impl HolderArena {
     /// Adds `slot` on tier `tier` to holders `h`; returns the new encoding. The old encoding is
     /// given up (its set released) unless it is returned unchanged.
     pub fn add(&mut self, h: Holders, slot: u32, tier: TierMask) -> (Holders, Added) {
+        if let Some(m) = self.memo_add.filter(|m| m.is(h, slot, tier)) {
+            return (self.repeat(m), Added { new_entry: m.entry, duplicate: false });
+        }
         match tag(h) {
             0 => (single(slot, tier), Added { new_entry: true, duplicate: false }),
             TAG_SINGLE => {
@@ -235,7 +277,9 @@ impl HolderArena {
                     self.scratch_from(None, s.max(slot));
                     self.scratch_bits(s, t, true);
                     self.scratch_bits(slot, tier, true);
-                    (self.intern_scratch(), Added { new_entry: true, duplicate: false })
+                    let nh = self.intern_scratch();
+                    self.memo_add = Some(Memo { from: h, slot, tiers: tier, to: nh, entry: true });
+                    (nh, Added { new_entry: true, duplicate: false })
                 }
             }
             _ => {
@@ -248,6 +292,9 @@ impl HolderArena {
                 self.scratch_bits(slot, tier, true);
                 let nh = self.intern_scratch();
                 self.release(i);
+                if tag(nh) == TAG_MANY && self.refs[(h & !(3 << TAG_SHIFT)) as usize] > 0 {
+                    self.memo_add = Some(Memo { from: h, slot, tiers: tier, to: nh, entry: before == 0 });
+                }
                 (nh, Added { new_entry: before == 0, duplicate: false })
             }
         }
@@ -257,6 +304,9 @@ impl HolderArena {
     /// worker held the block before and no longer holds it on any tier. A set left with one
     /// holder becomes the inline encoding again.
     pub fn remove(&mut self, h: Holders, slot: u32, tiers: TierMask) -> (Holders, bool) {
+        if let Some(m) = self.memo_remove.filter(|m| m.is(h, slot, tiers)) {
+            return (self.repeat(m), m.entry);
+        }
         match tag(h) {
             0 => (h, false),
             TAG_SINGLE => {
@@ -281,7 +331,11 @@ impl HolderArena {
                 self.scratch_bits(slot, tiers, false);
                 let nh = self.intern_scratch();
                 self.release(i);
-                (nh, before & !tiers == 0)
+                let gone = before & !tiers == 0;
+                if self.refs[i as usize] > 0 {
+                    self.memo_remove = Some(Memo { from: h, slot, tiers, to: nh, entry: gone });
+                }
+                (nh, gone)
             }
         }
     }

@@ -331,32 +331,36 @@ impl KvIndex {
         // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
         let room = hashes.len();
         let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.write_with_room(s, room)));
-        let (s, parent_hash, (mut g, retired)) = match (parent, hinted) {
+        // (The parent is looked up once, under the lock that the store then keeps.)
+        let (s, (mut g, retired), found) = match (parent, hinted) {
             (None, _) => {
                 let s = root_shard(hashes[0]);
-                (s, None, self.write_with_room(s, room))
+                (s, self.write_with_room(s, room), None)
             }
-            (Some(p), Some((s, held))) if held.0.find(p).is_some() => (s, Some(p), held),
-            (Some(p), held) => {
-                drop(held);
-                let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
-                (s, Some(p), self.write_with_room(s, room))
-            }
-        };
-        let mut prev = match parent_hash {
-            None => ROOT,
-            Some(p) => match g.find(p) {
-                Some(i) => {
-                    if g.arena.tiers(g.node(i).holders, slot) == 0 {
-                        self.counters.orphan_stores.fetch_add(1, Relaxed);
-                    }
-                    i
-                }
+            (Some(p), hinted) => match hinted.and_then(|(s, held)| held.0.find(p).map(|i| (s, held, i))) {
+                Some((s, held, i)) => (s, held, Some(i)),
                 None => {
-                    self.counters.orphan_stores.fetch_add(1, Relaxed);
-                    ORPHAN
+                    // (A hinted shard without the parent was unlocked when `and_then` dropped it.)
+                    let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
+                    let held = self.write_with_room(s, room);
+                    let i = held.0.find(p);
+                    (s, held, i)
                 }
             },
+        };
+        let parent_hash = parent;
+        let mut prev = match (parent_hash, found) {
+            (None, _) => ROOT,
+            (Some(_), Some(i)) => {
+                if g.arena.tiers(g.node(i).holders, slot) == 0 {
+                    self.counters.orphan_stores.fetch_add(1, Relaxed);
+                }
+                i
+            }
+            (Some(_), None) => {
+                self.counters.orphan_stores.fetch_add(1, Relaxed);
+                ORPHAN
+            }
         };
         let mut new_entries = 0;
         let mut created = 0usize;
@@ -367,7 +371,8 @@ impl KvIndex {
         let waiting = self.awaiting_len.load(Relaxed) > 0;
         let mut guess = u32::MAX;
         let mut full = false;
-        for (k, &h) in hashes.iter().enumerate() {
+        let mut k = 0;
+        while k < hashes.len() {
             if k % YIELD_EVERY == 0 && k > 0 {
                 // Let matches in every few blocks, so a long store never holds them up for long
                 // (they spin rather than park, so an unconditional release is what lets them in);
@@ -383,6 +388,26 @@ impl KvIndex {
                     }
                 }
             }
+            // The common case first: blocks the shard lacks, extending the run that ends at the
+            // leaf we chain under, in place (up to the next yield).
+            if prev < FREE {
+                let end = ((k / YIELD_EVERY + 1) * YIELD_EVERY).min(hashes.len());
+                let n = g.extend_run(prev, &hashes[k..end], tick, slot, tier.bit());
+                if n > 0 {
+                    created += n;
+                    new_entries += n;
+                    if waiting {
+                        linked.extend_from_slice(&hashes[k..k + n]);
+                    }
+                    prev += n as u32;
+                    prev_hash = Some(hashes[k + n - 1]);
+                    guess = prev.wrapping_add(1);
+                    k += n;
+                    continue;
+                }
+            }
+            let h = hashes[k];
+            k += 1;
             let (i, fresh) = match g.is_guess(h, prev, guess) {
                 true => (guess, false),
                 false => match g.find_or_create(h, prev, tick, true) {
@@ -415,10 +440,15 @@ impl KvIndex {
                     i
                 }
             };
-            let (new_entry, dup) = g.add_holder(i, slot, tier.bit());
-            new_entries += new_entry as usize;
-            if dup {
-                self.counters.duplicate_stores.fetch_add(1, Relaxed);
+            if fresh {
+                g.first_holder(i, slot, tier.bit());
+                new_entries += 1;
+            } else {
+                let (new_entry, dup) = g.add_holder(i, slot, tier.bit());
+                new_entries += new_entry as usize;
+                if dup {
+                    self.counters.duplicate_stores.fetch_add(1, Relaxed);
+                }
             }
             prev = i;
             prev_hash = Some(h);

@@ -65,6 +65,22 @@ fn take_after(nodes: &mut Slab<Node>, p: u32) -> Option<u32> {
     None
 }
 
+/// Puts `node` in the slot right after `p` if that slot is reserved for `p`'s run or is the
+/// slab's end: where `p`'s first child goes without a move. Gives the node back otherwise.
+#[inline]
+fn put_after(nodes: &mut Slab<Node>, p: u32, node: Node) -> Result<u32, Node> {
+    let after = p as usize + 1;
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(node);
+        return Ok(after as u32);
+    }
+    if is_reserved(nodes, after) {
+        nodes[after] = node;
+        return Ok(after as u32);
+    }
+    Err(node)
+}
+
 #[derive(Default)]
 pub(crate) struct Shard {
     pub nodes: Slab<Node>,
@@ -158,8 +174,15 @@ impl Shard {
         let want = (self.table.len() + extra).max(self.table.capacity() * 2).max(64);
         let mut t = HashTable::with_capacity(want);
         let nodes = &self.nodes;
-        for &i in self.table.iter() {
-            t.insert_unique(mix(nodes[i as usize].hash), i, |&j| mix(nodes[j as usize].hash));
+        // Every live node has its entry: read them in slab order (sequential, no chunk lookup per
+        // entry) rather than in table order (a random node read per entry).
+        for (c, chunk) in nodes.chunks().enumerate() {
+            let base = c * super::slab::CHUNK;
+            for (k, n) in chunk.iter().enumerate() {
+                if n.parent != FREE {
+                    t.insert_unique(mix(n.hash), (base + k) as u32, |&j| mix(nodes[j as usize].hash));
+                }
+            }
         }
         t
     }
@@ -199,13 +222,13 @@ impl Shard {
         };
         let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
         // One table probe, unless the run under `parent` must move (rare: amortised).
-        let (i, parent) = match grow.then(|| take_after(&mut self.nodes, parent)).flatten() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
+        let placed = if grow { put_after(&mut self.nodes, parent, node) } else { Err(node) };
+        let (i, parent) = match placed {
+            Ok(i) => {
                 vacant.insert(i);
                 (i, parent)
             }
-            None if grow => {
+            Err(node) if grow => {
                 // (`vacant` is not used on this path, so its borrow of the table ends here.)
                 let placed = self.slot_under(parent);
                 let (i, parent) = match placed {
@@ -219,7 +242,7 @@ impl Shard {
                 self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
                 (i, parent)
             }
-            None => {
+            Err(node) => {
                 let i = match self.free.pop() {
                     Some(i) => {
                         self.nodes[i as usize] = node;
@@ -351,6 +374,58 @@ impl Shard {
         }
     }
 
+    /// Extends the run that ends at leaf `prev` with new nodes for the leading `hashes` this shard
+    /// lacks, each in the slot right after the one before (reserved for the run, or the slab's
+    /// end), held by (`slot`, `tier`): a store's common case without `find_or_create`'s others.
+    /// Returns how many it appended, stopping at the first hash present, where the run cannot
+    /// grow in place, or at a full shard; nodes `prev + 1 ..= prev + n` are the new ones.
+    pub fn extend_run(&mut self, prev: u32, hashes: &[u64], tick: u32, slot: u32, tier: TierMask) -> usize {
+        if prev >= FREE || self.nodes[prev as usize].children != 0 {
+            return 0;
+        }
+        let hold = holders::single(slot, tier);
+        let mut p = prev as usize;
+        for &h in hashes {
+            let after = p + 1;
+            let at_end = after == self.nodes.len();
+            if !(at_end && after < MAX_NODES_PER_SHARD || is_reserved(&self.nodes, after)) {
+                break;
+            }
+            let nodes = &self.nodes;
+            let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
+                hashbrown::hash_table::Entry::Occupied(_) => break,
+                hashbrown::hash_table::Entry::Vacant(v) => v,
+            };
+            // Written as having one child (the next one); the last is corrected below.
+            let node = Node { hash: h, holders: hold, tick: AtomicU32::new(tick), parent: p as u32, children: 1 };
+            if at_end {
+                self.nodes.push(node);
+            } else {
+                self.nodes[after] = node;
+            }
+            vacant.insert(after as u32);
+            p = after;
+        }
+        let n = p - prev as usize;
+        if n > 0 {
+            self.nodes[prev as usize].children = 1;
+            self.nodes[p].children = 0;
+            self.live += n;
+            self.bump(slot, n as i64);
+        }
+        n
+    }
+
+    /// Gives node `i`, created holder-less by this store, its first holder (slot, tier): an
+    /// `add_holder` without the arena's cases.
+    #[inline]
+    pub fn first_holder(&mut self, i: u32, slot: u32, tier: TierMask) {
+        let n = &mut self.nodes[i as usize];
+        debug_assert!(holders::is_empty(n.holders));
+        n.holders = holders::single(slot, tier);
+        self.bump(slot, 1);
+    }
+
     /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
     pub fn add_holder(&mut self, i: u32, slot: u32, tier: TierMask) -> (bool, bool) {
         let h = self.nodes[i as usize].holders;
@@ -375,6 +450,7 @@ impl Shard {
         (gone, self.prune(i))
     }
 
+    #[inline]
     fn bump(&mut self, slot: u32, d: i64) {
         let s = slot as usize;
         if s >= self.counts.len() {

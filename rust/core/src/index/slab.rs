@@ -4,7 +4,7 @@
 use std::ops::{Index, IndexMut};
 
 const CHUNK_BITS: u32 = 12;
-const CHUNK: usize = 1 << CHUNK_BITS;
+pub(crate) const CHUNK: usize = 1 << CHUNK_BITS;
 
 pub(crate) struct Slab<T> {
     chunks: Vec<Vec<T>>,
@@ -48,11 +48,13 @@ impl<T> Slab<T> {
         self.chunks.extend(chunks);
     }
 
+    #[inline(always)]
     pub fn push(&mut self, v: T) {
-        if self.len == self.chunks.len() * CHUNK {
+        let c = self.len >> CHUNK_BITS;
+        if c == self.chunks.len() {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
-        self.chunks[self.len >> CHUNK_BITS].push(v);
+        self.chunks[c].push(v);
         self.len += 1;
     }
 
@@ -69,6 +71,11 @@ impl<T> Slab<T> {
             return &[];
         }
         &self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)..]
+    }
+
+    /// The chunks as slices, in slot order: chunk `c` holds slots `c * CHUNK ..`.
+    pub fn chunks(&self) -> impl Iterator<Item = &[T]> {
+        self.chunks.iter().map(Vec::as_slice)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &T> {
