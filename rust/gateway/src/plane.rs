@@ -983,7 +983,8 @@ fn relay(sh: &Arc<Shared>, w: &Arc<Worker>, opened: Opened, mut hold: Hold, adm:
     body.upstream = rest;
     body.read_timeout = Some(sh.cfg.read_timeout);
     body.on_break = Some(Break { sh: sh.clone(), worker: w.clone() });
-    body.sse = sse.then(SseEnd::default);
+    // An error answer (4xx) is relayed as the engine wrote it, whatever its content type.
+    body.sse = (sse && status.is_success()).then(SseEnd::default);
     body.down = Some(w.went_down());
     body.hold = Some(hold);
     let mut resp = Response::new(body);

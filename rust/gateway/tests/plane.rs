@@ -235,9 +235,13 @@ fn an_event_stream_cut_short_is_an_error_never_a_quiet_end() {
     let cut = chunked(&["data: one\n\n"]);
     let unfinished = chunked(&["data: one\n\n", "data: {\"text\": \"\\\"finish_reason\\\":\\\"stop\\\"\"}\n\n", "data: [DONE]\n\n"]);
     let empty = chunked(&[]);
+    let refusal = r#"data: {"error": {"message": "bad", "code": 400}}"#.to_string() + "\n\n";
+    let refused =
+        format!("HTTP/1.1 400 Bad Request\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\n\r\n{refusal}", refusal.len());
     let flaky = common::fake(move |body| {
         let b = String::from_utf8_lossy(body);
         Some(match () {
+            _ if b.contains("refused") => refused.clone(),
             _ if b.contains("split") => split.clone(),
             _ if b.contains("unfinished") => unfinished.clone(),
             _ if b.contains("cut") => cut.clone(),
@@ -270,6 +274,15 @@ fn an_event_stream_cut_short_is_an_error_never_a_quiet_end() {
         assert!(got.contains(&format!("upstream worker failed mid-stream: {why}")), "{got}");
         assert!(!got.contains("\ndata: [DONE]"), "no [DONE] event: {got}");
     };
+
+    // An error answer is the engine's own, whatever its content type: relayed as written, no blame.
+    let resp = send("refused");
+    assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+    assert!(
+        resp.ends_with("data: {\"error\": {\"message\": \"bad\", \"code\": 400}}\n\n") || dechunk(&resp).ends_with("400}}\n\n"),
+        "{resp}"
+    );
+    assert!(!resp.contains("upstream worker failed"), "{resp}");
 
     // Both markers split across frames are still found: relayed as they came, no error.
     let resp = send("split");
