@@ -1151,11 +1151,16 @@ impl SseEnd {
             return None;
         }
         if !self.finished {
-            // A JSON key, so its quotes are never escaped: content text cannot fake it.
-            let seam = [&self.tail[..], &d[..d.len().min(Self::KEEP)]].concat();
-            self.finished = [&seam[..], d].iter().any(|h| {
-                memchr::memmem::find(h, b"\"finish_reason\":\"").is_some() || memchr::memmem::find(h, b"\"finish_reason\": \"").is_some()
-            });
+            // A JSON key, so its quotes are never escaped: content text cannot fake it. Searched in
+            // the frame, then across the seam with the previous one (on the stack: a frame per token).
+            let has =
+                |h: &[u8]| [&b"\"finish_reason\":\""[..], b"\"finish_reason\": \""].iter().any(|k| memchr::memmem::find(h, k).is_some());
+            let head = &d[..d.len().min(Self::KEEP)];
+            let mut seam = [0u8; 2 * Self::KEEP];
+            let n = self.tail.len() + head.len();
+            seam[..self.tail.len()].copy_from_slice(&self.tail);
+            seam[self.tail.len()..n].copy_from_slice(head);
+            self.finished = has(d) || has(&seam[..n]);
         }
         self.tail.extend_from_slice(&d[d.len().saturating_sub(Self::KEEP)..]);
         let cut = self.tail.len().saturating_sub(Self::KEEP);
