@@ -12,7 +12,7 @@ PYTHONPATH (e.g. an older checkout's ``python/`` folder with its built ``_core``
 ``--baseline-args``, so a change is measured against the code it replaces in the same run.
 
 Processes: one mock-engine process (8 engines), ``kvroute serve`` (and the baseline), sglang-router
-(when installed), and this load generator. Rounds interleave the targets so machine noise hits all alike.
+(when installed), and this load generator. Rounds interleave the targets, in an order that rotates each round, so machine noise hits all alike.
 
 ``--pd vllm|sglang``: PD mode, half the engines prefill and half decode, in that handshake. "direct" is
 then this client doing the handshake itself (vLLM: the max_tokens=1 prefill, then the decode with the
@@ -280,7 +280,10 @@ async def main(a: argparse.Namespace) -> int:
                 await drive(s, t, bodies[: a.warmup], a.rate)
             for r in range(a.rounds):
                 chunk = bodies[a.warmup + r * per_round : a.warmup + (r + 1) * per_round]
-                for name, t in targets.items():
+                # The order rotates every round, so no target always runs right after another one.
+                names = list(targets)
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    t = targets[name]
                     c0 = cpu_seconds(pids[name])
                     got, f = await drive(s, t, chunk, a.rate)
                     cpu[name] += cpu_seconds(pids[name]) - c0
@@ -350,7 +353,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per target")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, the baseline, sglang-router each round)")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, the baseline, sglang-router each round, the order rotating)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
