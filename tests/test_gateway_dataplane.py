@@ -242,7 +242,8 @@ def test_kvroute_serve_local_prefill_max_tokens() -> None:
 
 
 def test_kvroute_serve_no_pending_prefixes() -> None:
-    """Pending prefixes are on in the gateway's Router unless --no-pending-prefixes."""
+    """With KV events, pending prefixes are on in the gateway's Router unless --no-pending-prefixes;
+    without KV events the gateway stores routed prefixes in the index itself, so they are off."""
     import argparse
 
     from kvroute.gateway.cli import add_serve_parser, build_gateway
@@ -253,5 +254,7 @@ def test_kvroute_serve_no_pending_prefixes() -> None:
     def router_config(*argv: str) -> dict[str, object]:
         return dict(build_gateway(parser.parse_args(["serve", "--worker", "http://w:1", *argv])).router.config)
 
-    assert router_config()["pending_prefixes"] is True
-    assert router_config("--no-pending-prefixes")["pending_prefixes"] is False
+    events = ("--kv-events", "http://w:1=tcp://127.0.0.1:5557")
+    assert router_config(*events)["pending_prefixes"] is True
+    assert router_config(*events, "--no-pending-prefixes")["pending_prefixes"] is False
+    assert router_config()["pending_prefixes"] is False

@@ -64,7 +64,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     r.add_argument(
         "--no-pending-prefixes",
         action="store_true",
-        help="overlap from KV events only (do not count a routed request's prefix on its worker until its events arrive)",
+        help="with --kv-events: overlap from KV events only (do not count a routed request's prefix on its worker until its "
+        "events arrive); without KV events routed prefixes go into the index directly (--approx-ttl) and this is implied",
     )
     r.add_argument(
         "--block-size",
@@ -127,7 +128,9 @@ def build_gateway(a: argparse.Namespace) -> Any:
         "ttft_slo": a.ttft_slo,
         "tpot_slo": a.tpot_slo,
         "reject": not a.no_reject,
-        "pending_prefixes": not a.no_pending_prefixes,
+        # Pending prefixes bridge the lag of KV events; without events the gateway stores each routed
+        # prefix in the index itself (approx_ttl), so they would only duplicate that, at a cost per request.
+        "pending_prefixes": bool(kv_events) and not a.no_pending_prefixes,
     }
     if a.policy:
         router_kw["policy"] = a.policy
