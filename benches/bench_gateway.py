@@ -7,7 +7,8 @@ at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the
 ``--exact`` runs kvroute in exact mode (``--tokenizer``: the byte-level BPE and ChatML template the
 tests build, tests/exact_tokenizers.py) and sends every other request as a chat request.
 
-``--baseline DIR`` adds another build of kvroute as a target (``kvroute-baseline``): ``DIR`` is put on
+``--baseline DIR`` adds another build of kvroute as a target (``kvroute-baseline``; repeat it for more
+builds, ``kvroute-baseline2`` and on, each with its own ``--baseline-args``): ``DIR`` is put on
 PYTHONPATH (e.g. an older checkout's ``python/`` folder with its built ``_core``), run with
 ``--baseline-args``, so a change is measured against the code it replaces in the same run.
 
@@ -219,8 +220,12 @@ async def main(a: argparse.Namespace) -> int:
         targets: dict[str, Send] = {"direct": direct_pd(a.pd, prefill, decode) if a.pd else via(urls)}
         pids: dict[str, int | None] = {"direct": None}
         kvroutes = {"kvroute": (env, [])}
-        if a.baseline:
-            kvroutes["kvroute-baseline"] = ({**env, "PYTHONPATH": a.baseline}, a.baseline_args.split())
+        baseline_args = a.baseline_args or []
+        if len(baseline_args) > len(a.baseline or []):
+            raise SystemExit("bench_gateway: more --baseline-args than --baseline")
+        for i, path in enumerate(a.baseline or []):
+            name = "kvroute-baseline" if i == 0 else f"kvroute-baseline{i + 1}"
+            kvroutes[name] = ({**env, "PYTHONPATH": path}, (baseline_args[i] if i < len(baseline_args) else "").split())
         for name, (kv_env, extra) in kvroutes.items():
             kv_port = free_port()
             cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
@@ -319,7 +324,7 @@ async def main(a: argparse.Namespace) -> int:
         for why, n in FAILURES.most_common(5):
             print(f"failed x{n}: {why}")
         cpu_req = {k: cpu[k] / max(1, len(lat[k])) for k in lat}
-        peers = [p for p in ("kvroute-baseline", "sglang-router") if p in ovh]
+        peers = [p for p in ovh if p.startswith("kvroute-baseline")] + [p for p in ("sglang-router",) if p in ovh]
 
         def ratio(x: float, y: float) -> str:
             return f"{x / y:.2f}x" if y > 0 else "n/a"
@@ -353,15 +358,29 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--requests", type=int, default=2000, help="measured requests per target")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (direct, kvroute, the baseline, sglang-router each round, the order rotating)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="interleaved rounds (direct, kvroute, the baseline, sglang-router each round, the order rotating)",
+    )
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
     ap.add_argument("--pd", choices=("vllm", "sglang"), default=None, help="PD mode in this handshake (half prefill, half decode engines)")
     ap.add_argument("--exact", action="store_true", help="kvroute in exact mode (a tokenizer built here; half chat requests)")
-    ap.add_argument("--baseline", metavar="PYTHONPATH", help="also run the kvroute found on this PYTHONPATH (kvroute-baseline)")
-    ap.add_argument("--baseline-args", default="", help="extra `kvroute serve` flags for the baseline, e.g. '--data-plane rust'")
+    ap.add_argument(
+        "--baseline",
+        metavar="PYTHONPATH",
+        action="append",
+        help="also run the kvroute found on this PYTHONPATH (kvroute-baseline; repeatable: kvroute-baseline2, ...)",
+    )
+    ap.add_argument(
+        "--baseline-args",
+        action="append",
+        help="extra `kvroute serve` flags for the baseline of the same position, e.g. '--data-plane rust' (repeatable)",
+    )
     args = ap.parse_args()
     try:
         import uvloop
