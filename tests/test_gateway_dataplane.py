@@ -1,5 +1,5 @@
-"""The Rust data plane on its own: its approximate prompts hash as ``kvroute.prompt`` does (the
-integrations share an index with it), its 400s, its TTL cache, unparseable-exactly bodies routed
+"""The Rust data plane on its own: its approximate prompts (which ``kvroute.prompt`` calls, for the
+integrations that share an index with it) hash as the Python reference (tests/prompt_reference.py) does, its 400s, its TTL cache, unparseable-exactly bodies routed
 approximately, workers added at runtime, start/stop and bad configuration."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane, approx_prompt
 from kvroute.prompt import ApproxPrompter, BadRequest
+from prompt_reference import ApproxReference
 
 BS, SEED = 4, 99
 
@@ -46,8 +47,9 @@ prompt = st.one_of(
 
 
 def python_prompt(body: dict[str, Any], chat: bool) -> tuple[list[int], int, int | None] | None:
+    """The Python reference's answer (None: a 400)."""
     try:
-        p = ApproxPrompter(BS, SEED).prompt(body, chat)
+        p = ApproxReference(BS, SEED).prompt(body, chat)
     except (BadRequest, ValueError, TypeError, OverflowError):
         return None
     if p.output_tokens is not None and p.output_tokens > 2**63 - 1:
@@ -56,23 +58,28 @@ def python_prompt(body: dict[str, Any], chat: bool) -> tuple[list[int], int, int
 
 
 def rust_prompt(body: Any, chat: bool) -> tuple[list[int], int, int | None] | None:
+    """The data plane's answer to the raw body (None: a 400), checked equal to ``kvroute.prompt``'s."""
     try:
         r = approx_prompt(json.dumps(body).encode(), chat, BS, seed=SEED)
     except ValueError:  # the client's 400
+        with pytest.raises(BadRequest):
+            ApproxPrompter(BS, SEED).prompt(body, chat)
         return None
+    p = ApproxPrompter(BS, SEED).prompt(body, chat)
+    assert (p.hashes.tolist(), p.num_tokens, p.output_tokens, p.exact) == (r[0].tolist(), r[1], r[2], True)
     return r[0].tolist(), r[1], r[2]
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(prompt, limits)
-def test_completion_prompts_hash_as_kvroute_prompt_does(p: Any, lim: dict[str, Any]) -> None:
+def test_completion_prompts_hash_as_the_reference_does(p: Any, lim: dict[str, Any]) -> None:
     body = {"prompt": p, **lim} if p is not None else dict(lim)
     assert rust_prompt(body, False) == python_prompt(body, False)
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(st.lists(message, max_size=4), limits)
-def test_chat_prompts_hash_as_kvroute_prompt_does(msgs: list[dict[str, Any]], lim: dict[str, Any]) -> None:
+def test_chat_prompts_hash_as_the_reference_does(msgs: list[dict[str, Any]], lim: dict[str, Any]) -> None:
     body = {"messages": msgs, **lim}
     assert rust_prompt(body, True) == python_prompt(body, True)
 

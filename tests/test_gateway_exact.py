@@ -1,10 +1,12 @@
-"""Exact mode in the Rust data plane: its token ids and block hashes equal ``kvroute.prompt``'s
-ExactPrompter's for the same bodies (tokenizers and chat templates built here; the integrations
-share an index with the plane), invalid bodies get its 400s, and a valid body it cannot render
-exactly routes on approximate hashes."""
+"""Exact mode in the Rust data plane: its token ids and block hashes equal the Python reference's
+(tests/prompt_reference.py: Hugging Face tokenizers and jinja2, as the engines render) for the same
+bodies (tokenizers and chat templates built here), ``kvroute.prompt.ExactPrompter`` (what the
+integrations call) answers as the plane does, invalid bodies get its 400s, and a valid body it
+cannot render exactly routes on approximate hashes."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from gateway_harness import Cluster, Rendezvous, assert_no_leak, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute._core import DataPlane
-from kvroute.prompt import ExactPrompter, _completion_prompt
+from kvroute.prompt import BadRequest, ExactPrompter
+from prompt_reference import ExactReference, _completion_prompt
 
 BS = 4
 SEED = 1337
@@ -35,19 +38,19 @@ SETUPS = {
 
 
 @pytest.fixture(scope="module")
-def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[DataPlane, ExactPrompter, str]]:
-    """Per setup: a (never started) data plane in exact mode, the Python prompter, the tokenizer path."""
+def planes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[DataPlane, ExactReference, str]]:
+    """Per setup: a (never started) data plane in exact mode, the Python reference, the tokenizer path."""
     out = {}
     for name, (build, template) in SETUPS.items():
         path = build(tmp_path_factory.mktemp(name.replace("/", "-")), template)
         dp = DataPlane(kvroute.Router(block_size=BS, hash_seed=SEED), tokenizer=path)
         assert dp.exact and dp.template_unsupported is None, name
-        out[name] = (dp, ExactPrompter(path, BS, SEED), path)
+        out[name] = (dp, ExactReference(path, BS, SEED), path)
     return out
 
 
-def python_side(ep: ExactPrompter, body: dict[str, Any], chat: bool) -> tuple[list[int], list[int], int, int | None] | None:
-    """(token ids, hashes, num_tokens, output_tokens) as kvroute.prompt derives them, or None
+def python_side(ep: ExactReference, body: dict[str, Any], chat: bool) -> tuple[list[int], list[int], int, int | None] | None:
+    """(token ids, hashes, num_tokens, output_tokens) as the Python reference derives them, or None
     when it answers 400 (or fails otherwise)."""
     try:
         p = ep.prompt(body, chat)
@@ -68,16 +71,27 @@ def printed_non_text(body: dict[str, Any]) -> bool:
     return any(not isinstance(m.get("content"), (str, type(None))) for m in body.get("messages", []) if isinstance(m, dict))
 
 
-def check(dp: DataPlane, ep: ExactPrompter, body: dict[str, Any], chat: bool) -> bool:
-    """The plane agrees with the Python prompter on ``body``; returns whether it routed it exactly."""
+@functools.cache
+def library_prompter(path: str) -> ExactPrompter:
+    return ExactPrompter(path, BS, SEED)
+
+
+def check(dp: DataPlane, ep: ExactReference, body: dict[str, Any], chat: bool) -> bool:
+    """The plane agrees with the Python reference on ``body``, and ``kvroute.prompt`` with the plane;
+    returns whether it routed it exactly."""
     raw = json.dumps(body).encode()
     py = python_side(ep, body, chat)
+    lib = library_prompter(ep.path)
     try:
         ids = dp.exact_tokens(raw, chat)
         rs = dp.prompt(raw, chat)  # exact, or the approximate fallback
     except ValueError:  # the client's 400
         assert py is None, f"the data plane refuses a body Python serves: {body}"
+        with pytest.raises(BadRequest):
+            lib.prompt(body, chat)
         return False
+    got = lib.prompt(body, chat)
+    assert (got.hashes.tolist(), got.num_tokens, got.output_tokens, got.exact) == (rs[0].tolist(), rs[1], rs[2], ids is not None)
     if ids is None:
         assert py is None or printed_non_text(body), f"the data plane routes approximately a body Python renders: {body}"
         return False
@@ -201,7 +215,11 @@ def test_data_plane_tokenizer_errors_are_clear(tmp_path: Path) -> None:
         DataPlane(router, tokenizer=str(tmp_path))
     path = build_word_level(tmp_path / "ok", template="{% for m in messages %}{{ m.content }")  # jinja2 refuses it too
     with pytest.raises(Exception, match="unexpected"):
-        ExactPrompter(path, 4, 1337)
+        ExactReference(path, 4, 1337)
+    lib = ExactPrompter(path, 4, 1337)  # as the plane: chat routes approximately, completions exactly
+    assert lib.template_unsupported is not None
+    assert lib.prompt({"messages": [{"role": "user", "content": "x"}]}, True).exact is False
+    assert lib.prompt({"prompt": "the sky"}, False).exact is True
     dp = DataPlane(router, tokenizer=path)
     assert dp.template_unsupported is not None  # chat requests route approximately, completions exactly
     assert dp.exact_tokens(b'{"prompt": "the sky"}', False) is not None
@@ -215,7 +233,7 @@ def test_data_plane_tokenizer_errors_are_clear(tmp_path: Path) -> None:
 
 def test_exact_mode_on_the_plane_answers_as_python_does(tmp_path: Path) -> None:
     """Routed in Rust (load released, decisions inserted as without KV events); invalid bodies get
-    the Python prompter's 400s; a body the template cannot print exactly is routed approximately and
+    the 400s kvroute.prompt raises; a body the template cannot print exactly is routed approximately and
     the engine still gets it unchanged."""
     path = build_byte_level_bpe(tmp_path / "llama2", LLAMA2)
     no_template = build_word_level(tmp_path / "none", template=None)
@@ -244,7 +262,7 @@ def test_exact_mode_on_the_plane_answers_as_python_does(tmp_path: Path) -> None:
             ]:
                 status, _, data = await c.post(path_, body)
                 assert status == 400, (body, data)
-                with pytest.raises((ValueError, OverflowError)):  # the Python prompter refuses it too
+                with pytest.raises(BadRequest):  # kvroute.prompt (the integrations') refuses it too
                     ep.prompt(body, path_ == "/v1/chat/completions")
                 messages.append(json.loads(data)["error"]["message"])
             assert "must alternate" in messages[0] and "messages" in messages[1], messages

@@ -24,6 +24,7 @@ from gateway_harness import (
     run,
 )
 from kvroute.prompt import ApproxCache, ApproxPrompter, ExactPrompter
+from prompt_reference import ExactReference
 
 CHAT = {"messages": [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "why is the sky blue?"}], "max_tokens": 6}
 
@@ -323,11 +324,14 @@ def assert_served_by_data_plane(c: Cluster) -> None:
 def test_exact_mode_hashes_what_the_engine_sees(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = _build_tokenizer(tmp_path)
     ep = ExactPrompter(path, block_size=4, seed=1337)
-    rendered = ep.render_chat(CHAT)
+    ref = ExactReference(path, block_size=4, seed=1337)  # Hugging Face tokenizers and jinja2, as the engine
+    rendered = ref.render_chat(CHAT)
     assert rendered.startswith("<s><|system|> be brief") and rendered.endswith("<|assistant|>")
-    ids = ep.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert ep.render_chat(CHAT) == rendered
+    ids = ref.tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert ep.token_ids(CHAT, chat=True).tolist() == ids
     p = ep.prompt(CHAT, chat=True)
-    assert p.num_tokens == len(ids) and p.output_tokens == 6
+    assert p.exact and p.num_tokens == len(ids) and p.output_tokens == 6
     np.testing.assert_array_equal(p.hashes, kvroute.block_hashes(ids, 4, seed=1337))
     q = ep.prompt({"prompt": [5, 6, 7, 8, 9]}, chat=False)
     np.testing.assert_array_equal(q.hashes, kvroute.block_hashes([5, 6, 7, 8], 4))
@@ -355,8 +359,8 @@ def test_kv_events_feed_the_index_in_exact_mode(tmp_path) -> None:  # type: igno
     from fake_engine import FakeEngine, FakePublisher
 
     path = _build_tokenizer(tmp_path)
-    ep = ExactPrompter(path, block_size=4, seed=1337)
-    ids = ep.tokenizer.encode(ep.render_chat(CHAT), add_special_tokens=False).ids
+    ref = ExactReference(path, block_size=4, seed=1337)
+    ids = ref.tokenizer.encode(ref.render_chat(CHAT), add_special_tokens=False).ids
     pub = FakePublisher()
 
     async def scenario() -> None:

@@ -1,8 +1,10 @@
 """Turns an OpenAI request body into the block hashes the router matches on (``kvroute.prompt``).
 
-One implementation for the gateway and the integrations (LiteLLM, Ray Serve). Exact mode tokenizes
-with the engines' own tokenizer (and chat template), so the hashes equal the engines' KV events;
-approximate mode hashes the prompt text in fixed-size byte blocks.
+One implementation for the gateway and the integrations (LiteLLM, Ray Serve): these classes call
+the data plane's own Rust prompters (``kvroute._core``), so a prompt hashes the same whether the
+gateway or an integration routes it. Exact mode tokenizes with the engines' own ``tokenizer.json``
+and chat template (the Rust ``tokenizers`` crate, minijinja configured as jinja2's sandbox), so the
+hashes equal the engines' KV events; approximate mode hashes the prompt text in fixed-size byte blocks.
 
 >>> from kvroute.prompt import ApproxPrompter
 >>> p = ApproxPrompter(block_size=16, seed=0).prompt({"prompt": "x" * 200, "max_tokens": 8}, chat=False)
@@ -13,7 +15,6 @@ approximate mode hashes the prompt text in fixed-size byte blocks.
 from __future__ import annotations
 
 import json
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvroute._core import KvIndex, block_hashes
+from kvroute._core import ExactPrompter as _RustExactPrompter
+from kvroute._core import KvIndex, approx_prompt
 
 __all__ = ["ApproxCache", "ApproxPrompter", "BadRequest", "ExactPrompter", "Prompt", "Prompter", "load_prompter"]
+
+#: Bytes of UTF-8 prompt text per approximate token (the data plane's ``BYTES_PER_TOKEN``).
+BYTES_PER_TOKEN = 4
 
 
 class BadRequest(ValueError):
@@ -32,60 +37,29 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """What routing needs from one request: sequence hashes, prompt length and expected output."""
+    """What routing needs from one request: sequence hashes, prompt length and expected output.
+    ``exact`` is False when exact mode could not derive the engine's tokens for a valid body (a chat
+    template minijinja cannot run, a value it would print differently) and routed it on approximate
+    hashes, as the gateway does."""
 
     hashes: npt.NDArray[np.uint64]
     num_tokens: int
     output_tokens: int | None
+    exact: bool = True
 
 
-def _output_tokens(body: dict[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens"):
-        v = body.get(key)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BadRequest(f"{key} must be a non-negative integer, got {v!r}")
-            return v
-    return None
+def _raw(body: Any) -> bytes:
+    """The body as the JSON bytes the Rust prompters read (what a client would have sent)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError) as e:  # (UnicodeEncodeError, for lone surrogates, is a ValueError)
+        raise BadRequest(f"request body is not JSON-serialisable: {e}") from e
 
 
-def _message_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        # OpenAI content parts; non-text parts (images) contribute their JSON so they still key the cache.
-        return "".join(
-            p.get("text", "") if isinstance(p, dict) and p.get("type") == "text" else json.dumps(p, sort_keys=True) for p in content
-        )
-    raise BadRequest(f"message content must be a string or a list of content parts, got {type(content).__name__}")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("chat request needs 'messages': a non-empty list of {role, content} objects")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
-    return msgs
-
-
-def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    """The (first) prompt of a completions request: text or token ids. Batched prompts route on the first."""
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        first = p[0]
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list) and first and all(isinstance(t, int) and not isinstance(t, bool) for t in first):
-            return first
-    raise BadRequest("completions request needs 'prompt': a string, a list of token ids, or a non-empty list of those")
+def _bad(e: ValueError) -> BadRequest:
+    return e if isinstance(e, BadRequest) else BadRequest(str(e))
 
 
 class Prompter:
@@ -100,123 +74,66 @@ class Prompter:
     def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
         raise NotImplementedError
 
-    def _hash(self, tokens: npt.NDArray[np.uint32] | list[int]) -> npt.NDArray[np.uint64]:
-        return block_hashes(tokens, self.block_size, seed=self.seed)
-
 
 class ApproxPrompter(Prompter):
-    """Approximate mode: every ``bytes_per_token`` bytes of UTF-8 prompt text count as one token, so a
-    block is ``block_size * bytes_per_token`` bytes; token-id prompts are used as they are."""
+    """Approximate mode: every 4 bytes of UTF-8 prompt text count as one token, so a block is
+    ``4 * block_size`` bytes (chat: ``<|role|>content\\n`` per message, so a conversation's earlier turns
+    are a byte prefix of its later ones); token-id prompts are used as they are."""
 
     mode = "approximate"
 
-    def __init__(self, block_size: int, seed: int, bytes_per_token: int = 4) -> None:
+    def __init__(self, block_size: int, seed: int, bytes_per_token: int = BYTES_PER_TOKEN) -> None:
         super().__init__(block_size, seed)
-        if bytes_per_token not in (1, 2, 4):
-            raise ValueError(f"bytes_per_token must be 1, 2 or 4, got {bytes_per_token}")
+        if bytes_per_token != BYTES_PER_TOKEN:
+            raise ValueError(f"bytes_per_token must be {BYTES_PER_TOKEN} (the gateway's), got {bytes_per_token}")
         self.bytes_per_token = bytes_per_token
-        self._dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[bytes_per_token]
-
-    def text_tokens(self, text: str) -> npt.NDArray[np.uint32]:
-        raw = text.encode("utf-8", "surrogatepass")
-        pad = -len(raw) % self.bytes_per_token
-        if pad:
-            raw += b"\0" * pad
-        return np.frombuffer(raw, dtype=self._dtype).astype(np.uint32, copy=False)
 
     def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
-        if chat:
-            # Role and content, in order: a conversation's earlier turns are a byte prefix of its later ones.
-            text = "".join(f"<|{m['role']}|>{_message_text(m.get('content'))}\n" for m in _messages(body))
-            toks: Any = self.text_tokens(text)
-        else:
-            p = _completion_prompt(body)
-            toks = self.text_tokens(p) if isinstance(p, str) else np.asarray(p, dtype=np.uint64)
-            if not isinstance(p, str) and (toks.size and int(toks.max()) > 0xFFFFFFFF):
-                raise BadRequest("token ids must be in 0..2**32")
-        if len(toks) == 0:
-            raise BadRequest("empty prompt")
-        return Prompt(self._hash(toks), len(toks), _output_tokens(body))
+        try:
+            hashes, num_tokens, output_tokens = approx_prompt(_raw(body), chat, self.block_size, seed=self.seed)
+        except ValueError as e:
+            raise _bad(e) from None
+        return Prompt(hashes, num_tokens, output_tokens)
 
 
 class ExactPrompter(Prompter):
-    """Exact mode: the engines' Hugging Face tokenizer (``tokenizer.json``) and chat template
-    (``tokenizer_config.json``, rendered with jinja2), so the hashes equal the engines' KV events."""
+    """Exact mode: the engines' Hugging Face tokenizer (``tokenizer.json``, or a directory holding it)
+    and the chat template of the ``tokenizer_config.json`` beside it, so the hashes equal the
+    engines' KV events. FileNotFoundError without a tokenizer file, ValueError when it cannot be read.
+    A chat template minijinja cannot compile is reported in ``template_unsupported``; chat requests
+    then route on approximate hashes (``Prompt.exact`` False), completions stay exact."""
 
     mode = "exact"
 
     def __init__(self, path: str, block_size: int, seed: int) -> None:
         super().__init__(block_size, seed)
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # pragma: no cover - needs the extra
-            raise ImportError("exact mode needs the tokenizers package: pip install 'kvroute[gateway]'") from exc
-        tok_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"tokenizer file not found: {tok_file} (expected a tokenizer.json or a directory holding one)")
-        self.tokenizer = Tokenizer.from_file(tok_file)
-        cfg_file = os.path.join(os.path.dirname(tok_file), "tokenizer_config.json")
-        self.config: dict[str, Any] = {}
-        if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                self.config = json.load(f)
-        self._template = self._compile_template(self.config.get("chat_template"))
+        self.path = path
+        self._rust = _RustExactPrompter(path, block_size, seed=seed)
 
-    @staticmethod
-    def _special(cfg: dict[str, Any], key: str) -> str:
-        v = cfg.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        return v if isinstance(v, str) else ""
-
-    def _compile_template(self, tmpl: Any) -> Any:
-        if tmpl is None:
-            return None
-        if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-            tmpl = named.get("default") or next(iter(named.values()), None)
-        if not isinstance(tmpl, str):
-            raise ValueError("tokenizer_config.json: chat_template must be a string or a list of {name, template}")
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError as exc:  # pragma: no cover - needs the extra
-            raise ImportError("chat templates need jinja2: pip install 'kvroute[gateway]'") from exc
-
-        def raise_exception(msg: str) -> None:
-            raise BadRequest(f"chat template: {msg}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(tmpl)
-
-    def render_chat(self, body: dict[str, Any]) -> str:
-        msgs = _messages(body)
-        if self._template is None:
-            raise BadRequest("this tokenizer has no chat_template in tokenizer_config.json; use /v1/completions")
-        return str(
-            self._template.render(
-                messages=msgs,
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                tools=body.get("tools"),
-                bos_token=self._special(self.config, "bos_token"),
-                eos_token=self._special(self.config, "eos_token"),
-                **(body.get("chat_template_kwargs") or {}),
-            )
-        )
-
-    def encode(self, text: str, add_special_tokens: bool) -> npt.NDArray[np.uint32]:
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.uint32)
+    @property
+    def template_unsupported(self) -> str | None:
+        return self._rust.template_unsupported
 
     def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
-        if chat:
-            # The template already carries the special tokens (vLLM and SGLang encode without adding them).
-            toks: Any = self.encode(self.render_chat(body), add_special_tokens=False)
-        else:
-            p = _completion_prompt(body)
-            toks = self.encode(p, add_special_tokens=True) if isinstance(p, str) else np.asarray(p, dtype=np.uint64)
-        if len(toks) == 0:
-            raise BadRequest("empty prompt")
-        return Prompt(self._hash(toks), len(toks), _output_tokens(body))
+        try:
+            hashes, num_tokens, output_tokens, exact = self._rust.prompt(_raw(body), chat)
+        except ValueError as e:
+            raise _bad(e) from None
+        return Prompt(hashes, num_tokens, output_tokens, exact)
+
+    def token_ids(self, body: dict[str, Any], chat: bool) -> npt.NDArray[np.uint32] | None:
+        """The token ids the engine sees for this body (None: not derivable exactly here)."""
+        try:
+            return self._rust.token_ids(_raw(body), chat)
+        except ValueError as e:
+            raise _bad(e) from None
+
+    def render_chat(self, body: dict[str, Any]) -> str | None:
+        """The chat template applied to a chat body (None: not renderable exactly here)."""
+        try:
+            return self._rust.render_chat(_raw(body))
+        except ValueError as e:
+            raise _bad(e) from None
 
 
 def load_prompter(tokenizer: str | None, block_size: int, seed: int) -> Prompter:

@@ -6,6 +6,7 @@ mod dataplane;
 mod errors;
 mod events;
 mod index;
+mod prompt;
 mod router;
 mod sim;
 
@@ -69,5 +70,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     router::register(m)?;
     m.add("EventError", m.py().get_type::<events::EventError>())?;
     dataplane::register(m)?;
+    prompt::register(m)?;
     Ok(())
 }
