@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from kvroute._core import block_hashes
-from kvroute.prompt import BadRequest, Prompt
+from kvroute.prompt import BadRequest, Prompt, Prompter
 
 __all__ = ["ApproxReference", "ExactReference"]
 
@@ -67,17 +67,8 @@ def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
     raise BadRequest("completions request needs 'prompt': a string, a list of token ids, or a non-empty list of those")
 
 
-class ReferencePrompter:
-    """Base: subclasses map a parsed body to a Prompt. ``chat`` selects /v1/chat/completions."""
-
-    mode = "base"
-
-    def __init__(self, block_size: int, seed: int) -> None:
-        self.block_size = block_size
-        self.seed = seed
-
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
-        raise NotImplementedError
+class ReferencePrompter(Prompter):
+    """kvroute.prompt's base, hashing the reference's token ids with kvroute's block hashes."""
 
     def _hash(self, tokens: npt.NDArray[np.uint32] | list[int]) -> npt.NDArray[np.uint64]:
         return block_hashes(tokens, self.block_size, seed=self.seed)
