@@ -329,7 +329,7 @@ class EngineReplica:
         async with await self._post(req) as r:
             try:
                 text = await r.text()
-            except aiohttp.ClientConnectionError as e:  # the engine died before answering in full
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:  # the engine died before answering in full
                 raise EngineUnavailable(self.url, f"{type(e).__name__}: {e}") from None
             if r.status != 200:
                 raise RuntimeError(f"engine {self.url} answered {r.status}: {text[:300]}")
@@ -348,7 +348,7 @@ class EngineReplica:
                 async for chunk in r.content.iter_any():
                     started = True
                     yield chunk
-            except aiohttp.ClientConnectionError as e:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 if started:
                     raise
                 raise EngineUnavailable(self.url, f"{type(e).__name__}: {e}") from None
