@@ -91,6 +91,8 @@ def test_two_router_instances_keep_conversations_on_their_engine(cluster: Cluste
     leases = [rs[0]["leases"] for rs in stats.values()]
     assert sum(lz["opened"] for lz in leases) == 24
     assert all(lz["opened"] == lz["finished"] for lz in leases), leases
+    # The 12 streamed requests' first chunks reached the Router's load model (prefill_done).
+    assert sum(rs[0]["counts"]["first_tokens"] for rs in stats.values()) == 12, stats
     assert all(rs[0]["open"] == 0 for rs in stats.values())
 
 

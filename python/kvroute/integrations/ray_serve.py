@@ -154,7 +154,7 @@ class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         self.engines = EngineRouter(**kwargs).start()
         self._leased: dict[str, str] = {}  # internal request id -> ticket
         self._attempt: dict[str, int] = {}  # internal request id -> engines it had failed on when last routed
-        self.counts = {"routed": 0, "rerouted": 0, "no_prompt": 0, "retried": 0}
+        self.counts = {"routed": 0, "rerouted": 0, "no_prompt": 0, "retried": 0, "first_tokens": 0}
         # Serve may load this class by value (cloudpickle), with its own copy of this module's
         # globals: register with the module as imported in this process.
         import kvroute.integrations.ray_serve as this
@@ -266,6 +266,17 @@ class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
             return
         self._leased[rid] = moved.ticket
         self.counts["rerouted"] += 1
+
+    def prefill_done(self, internal_request_id: str) -> bool:
+        """The request's first token reached the ingress (its prefill is over): tells the Router's
+        load model, as the gateway does at each first streamed chunk. Serve has no hook for it, so
+        ``OpenAIIngress`` calls this on the routers of its own process; False when this router holds
+        no lease for that request (another handle's router routed it)."""
+        ticket = self._leased.get(internal_request_id)
+        if ticket is None or not self.engines.leases.prefill_done(ticket):
+            return False
+        self.counts["first_tokens"] += 1
+        return True
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ticket = self._leased.get(internal_request_id)
@@ -399,6 +410,7 @@ class OpenAIIngress:
                         first = await gen.__anext__()
                     except StopAsyncIteration:
                         first = None
+                    _first_token()
                     return StreamingResponse(_chain(first, gen), media_type="text/event-stream", headers=headers)
                 out = await self.engine.complete.remote(req)
                 return Response(json.dumps(out), media_type="application/json", headers=headers)
@@ -410,6 +422,19 @@ class OpenAIIngress:
                 self.retries += 1
                 req = OpenAIRequest(body, chat, [*req.exclude, down.engine_url])
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _first_token() -> None:
+    """Reports a stream's first chunk to this process's routers. A handle call made while serving a
+    request carries that request's internal id (Serve's request context), which is the id the
+    router leased it under."""
+    try:
+        rid = serve.context._get_serve_request_context()._internal_request_id
+    except AttributeError:  # pragma: no cover - a Serve without the request context
+        return
+    if rid:
+        for r in routers():
+            r.prefill_done(rid)
 
 
 async def _chain(first: bytes | None, rest: Any) -> AsyncIterator[bytes]:
