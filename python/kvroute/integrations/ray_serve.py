@@ -95,14 +95,27 @@ class OpenAIRequest:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
+def _as_openai_request(arg: Any) -> Any:
+    """``arg`` when it is an ``OpenAIRequest``, else None. By its fields, not ``isinstance``: Serve may
+    load the request router by value (cloudpickle), and then this module's classes in the router's
+    globals are copies of the ones the ingress built the request with."""
+    if isinstance(arg, OpenAIRequest):
+        return arg
+    fields = getattr(arg, "__dict__", None)
+    if type(arg).__name__ == "OpenAIRequest" and isinstance(fields, dict) and isinstance(fields.get("body"), dict):
+        return arg
+    return None
+
+
 def _request_body(pending: PendingRequest | None) -> tuple[dict[str, Any], bool] | None:
     """The OpenAI body in a handle call's arguments: an ``OpenAIRequest``, a dict, or any object
     with ``messages`` / ``prompt`` (such as ``ray.serve.llm``'s request models)."""
     if pending is None:
         return None
     for arg in [*pending.args, *pending.kwargs.values()]:
-        if isinstance(arg, OpenAIRequest):
-            return arg.body, arg.chat
+        req = _as_openai_request(arg)
+        if req is not None:
+            return dict(req.body), bool(req.chat)
         if isinstance(arg, Mapping) and ("messages" in arg or "prompt" in arg):
             return dict(arg), "messages" in arg
         msgs = getattr(arg, "messages", None)
@@ -119,8 +132,9 @@ def _excluded_urls(pending: PendingRequest | None) -> set[str]:
     if pending is None:
         return set()
     for arg in [*pending.args, *pending.kwargs.values()]:
-        if isinstance(arg, OpenAIRequest):
-            return {u.rstrip("/") for u in arg.exclude if isinstance(u, str)}
+        req = _as_openai_request(arg)
+        if req is not None:
+            return {u.rstrip("/") for u in getattr(req, "exclude", None) or () if isinstance(u, str)}
     return set()
 
 
