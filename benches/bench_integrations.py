@@ -248,9 +248,17 @@ def run_ray(
         for policy, ingresses in runs:
             reset(engines)
             cls = RAY_POLICIES[policy]
-            kwargs = (
-                {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5} if policy == "kvroute" else {}
-            )
+            kwargs: dict[str, Any] = {}
+            if policy == "kvroute":
+                # The same settings as the LiteLLM run's EngineRouter (before 2026-12-02 the Ray routers
+                # got neither the calibrated prefill speed nor --kvroute-policy, whatever the row said).
+                kwargs = {
+                    "tokenizer": str(engines[0].bed.model),
+                    "block_size": BLOCK_SIZE,
+                    "metrics_interval": 0.5,
+                    "prefill_tokens_per_s": prefill,
+                    **({"policy": kv_policy} if kv_policy else {}),
+                }
             serve.run(
                 build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
                 name="bench",
