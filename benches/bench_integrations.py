@@ -87,6 +87,45 @@ def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words:
     return float(statistics.median(speeds))
 
 
+class ExplainingRouter:
+    """Stands in for a LeaseTable's Router (``--diag``): every route asks for ``explain`` and keeps
+    the per-worker rows, to tell the policy's load moves (another worker had more of the prompt
+    cached) from requests no worker had cached; routing itself is unchanged."""
+
+    def __init__(self, router: Any) -> None:
+        self._router = router
+        self.rows: list[tuple[int, list[dict[str, Any]]]] = []
+
+    def route(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["explain"] = True
+        d = self._router.route(*args, **kwargs)
+        if d.explain is not None and kwargs.get("worker") is None:
+            self.rows.append((int(d.worker), list(d.explain)))
+        return d
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._router, name)
+
+    def summary(self) -> dict[str, Any]:
+        moved = [
+            (w, rows)
+            for w, rows in self.rows
+            if max(r["overlap_blocks"] for r in rows) > next(r for r in rows if r["worker"] == w)["overlap_blocks"]
+        ]
+        forgone = sum(
+            max(r["overlap_blocks"] for r in rows) - next(r for r in rows if r["worker"] == w)["overlap_blocks"] for w, rows in moved
+        )
+        none = sum(1 for _, rows in self.rows if max(r["overlap_blocks"] for r in rows) == 0)
+        q_best = [max(rows, key=lambda r: r["overlap_blocks"])["queue_delay"] for _, rows in moved]
+        return {
+            "routes": len(self.rows),
+            "moved_off_best_overlap": len(moved),
+            "blocks_forgone": forgone,
+            "no_overlap_anywhere": none,
+            "best_queue_delay_ms_when_moved": round(statistics.fmean(q_best) * 1e3, 1) if q_best else None,
+        }
+
+
 # ---- LiteLLM ------------------------------------------------------------------------------------
 
 
@@ -125,7 +164,13 @@ async def drive_litellm(router: Any, convs: list[Conversation], clients: int, re
 
 
 def run_litellm(
-    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float, kv_policy: str | None
+    engines: list[Engine],
+    convs: list[Conversation],
+    clients: int,
+    policies: list[str],
+    prefill: float,
+    kv_policy: str | None,
+    diag: bool = False,
 ) -> list[dict[str, Any]]:
     import litellm
     from kvroute.engines import EngineRouter
@@ -154,6 +199,8 @@ def run_litellm(
                     prefill_tokens_per_s=prefill,
                     **({"policy": kv_policy} if kv_policy else {}),
                 )
+                if diag:
+                    er.leases.router = ExplainingRouter(er.router)
                 router.register_plugin(KvrouteStrategy(router, er))
             else:
                 router = litellm.Router(model_list=model_list, num_retries=0, routing_strategy=policy)
@@ -168,6 +215,8 @@ def run_litellm(
         rows.append(summarise("litellm", policy, 1, engines, res, before, after))
         if policy == "kvroute":
             rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack")
+            if er is not None and isinstance(er.leases.router, ExplainingRouter):
+                rows[-1]["diag"] = er.leases.router.summary()
         print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     return rows
 
@@ -199,9 +248,17 @@ def run_ray(
         for policy, ingresses in runs:
             reset(engines)
             cls = RAY_POLICIES[policy]
-            kwargs = (
-                {"tokenizer": str(engines[0].bed.model), "block_size": BLOCK_SIZE, "metrics_interval": 0.5} if policy == "kvroute" else {}
-            )
+            kwargs: dict[str, Any] = {}
+            if policy == "kvroute":
+                # The same settings as the LiteLLM run's EngineRouter (before 2026-12-02 the Ray routers
+                # got neither the calibrated prefill speed nor --kvroute-policy, whatever the row said).
+                kwargs = {
+                    "tokenizer": str(engines[0].bed.model),
+                    "block_size": BLOCK_SIZE,
+                    "metrics_interval": 0.5,
+                    "prefill_tokens_per_s": prefill,
+                    **({"policy": kv_policy} if kv_policy else {}),
+                }
             serve.run(
                 build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
                 name="bench",
@@ -253,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--diag", action="store_true", help="LiteLLM kvroute: count the routes that left the best-cached engine (explain)")
     a = ap.parse_args(argv)
 
     bed = Bed()
@@ -270,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill = prefill or 20000.0  # 0: the Router's default
         print(f"kvroute prefill_tokens_per_s = {prefill:.0f}", file=sys.stderr, flush=True)
         if "litellm" in wanted:
-            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy)
+            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy, a.diag)
         if "ray" in wanted:
             rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill, a.kvroute_policy)
     print(

@@ -64,5 +64,10 @@ rm -rf "$BED/dist"
 VIRTUAL_ENV="$BED/venv" "$BED/venv/bin/maturin" build -q --release -i "$BED/venv/bin/python" -o "$BED/dist"
 kv=$(ls "$BED"/dist/kvroute-*.whl)
 "$BED/venv/bin/pip" install -q --force-reinstall --no-deps "$kv"
-"$BED/venv/bin/pip" install -q "$kv[test,gateway,events]"
+# Its extras, constrained like the integrations' hosts. The litellm extra brings what the LiteLLM proxy
+# needs (`litellm --config`, tests/e2e/test_e2e_litellm_proxy.py; `litellm[proxy]` itself cannot be
+# installed from PyPI): ~10 MB, a few seconds, once.
+"$BED/venv/bin/pip" freeze --exclude kvroute | grep -v " @ " > "$BED/constraints.txt"
+"$BED/venv/bin/pip" install -q -c "$BED/constraints.txt" "$kv[test,gateway,events,litellm]"
+LITELLM_LOCAL_MODEL_COST_MAP=True "$BED/venv/bin/python" -c "import litellm.proxy.proxy_server"
 echo "bed: ready at $BED ($("$BED/venv/bin/python" -c 'import vllm, kvroute; print("vllm", vllm.__version__, "kvroute", kvroute.__version__)'))"

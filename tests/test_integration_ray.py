@@ -33,7 +33,10 @@ class Cluster(ServeApp):
             asyncio.run_coroutine_threadsafe(e.start(), self.loop).result(10)
         # Serve's workers run this interpreter, so they import the kvroute installed here (never the
         # source tree: it has no built _core outside an editable install).
-        app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs={"block_size": 16}, ingress_replicas=2)
+        # No engine /metrics polling after the first (an hour apart): the failover test needs the
+        # routers to learn of a dead engine from a failed request, not from a refused poll.
+        kwargs = {"block_size": 16, "metrics_interval": 3600.0}
+        app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs=kwargs, ingress_replicas=2)
         super().__init__(app, timeout=60.0)
 
     def close(self) -> None:
@@ -88,6 +91,8 @@ def test_two_router_instances_keep_conversations_on_their_engine(cluster: Cluste
     leases = [rs[0]["leases"] for rs in stats.values()]
     assert sum(lz["opened"] for lz in leases) == 24
     assert all(lz["opened"] == lz["finished"] for lz in leases), leases
+    # The 12 streamed requests' first chunks reached the Router's load model (prefill_done).
+    assert sum(rs[0]["counts"]["first_tokens"] for rs in stats.values()) == 12, stats
     assert all(rs[0]["open"] == 0 for rs in stats.values())
 
 
@@ -102,3 +107,36 @@ def test_concurrent_requests_no_errors(cluster: Cluster) -> None:
         outs = list(pool.map(one, range(32)))
     assert all(b"[DONE]" in o if i % 2 == 0 else b'"finish_reason": "length"' in o for i, o in enumerate(outs))
     wait_released(cluster)
+
+
+def test_a_dead_engine_is_failed_over(cluster: Cluster) -> None:
+    """One engine stops: requests whose prefix lives there are routed to it, fail to connect
+    (``EngineUnavailable``), and the ingress makes them again without it; every one succeeds, on the
+    live engine, and every lease is released. Last in the module: it restarts the engine at the end."""
+    dead, live = cluster.engines
+    msgs_of = {conv: [{"role": "system", "content": f"failover prompt {conv} " * 80}] for conv in range(4)}
+    homes = {}
+    for conv, msgs in msgs_of.items():
+        before = dead.completed
+        cluster.post({"messages": [*msgs, {"role": "user", "content": "q0"}], "max_tokens": 4})
+        homes[conv] = dead if dead.completed > before else live
+    assert dead in homes.values(), "some conversation lives on the engine that will stop"
+    port = dead.port
+    asyncio.run_coroutine_threadsafe(dead.stop(), cluster.loop).result(10)
+    try:
+        served_before = live.completed
+        for turn in (1, 2):
+            for msgs in msgs_of.values():
+                body = {"messages": [*msgs, {"role": "user", "content": f"q{turn}"}], "max_tokens": 4, "stream": turn == 2}
+                out = cluster.post(body)[1]
+                assert (b"[DONE]" in out) if turn == 2 else json.loads(out)["choices"][0]["finish_reason"] == "length"
+        assert live.completed - served_before == 8, "the live engine answered every request"
+        wait_released(cluster)
+        stats = cluster.routers()
+        retried = sum(rs[0]["counts"]["retried"] for rs in stats.values())
+        assert retried >= 1, f"requests whose prefix was on the dead engine went there first and were retried: {stats}"
+        for rs in stats.values():
+            lz = rs[0]["leases"]
+            assert lz["opened"] == lz["finished"] + lz["failed"] + lz["cancelled"] and lz["expired"] == 0, lz
+    finally:
+        asyncio.run_coroutine_threadsafe(dead.start(port), cluster.loop).result(10)

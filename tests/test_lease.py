@@ -218,6 +218,21 @@ def test_engine_metrics_feed_the_router() -> None:
             w.in_flight = 0
         finally:
             await w.stop()
+        assert not er.cooling_down("m")
         assert await asyncio.get_running_loop().run_in_executor(None, er.poll_metrics, e) is None, "a dead engine: no figures, no error"
+        assert er.cooling_down("m"), "an engine that refuses connections cools down"
 
     asyncio.run(run())
+
+
+def test_a_slow_metrics_endpoint_is_no_failure() -> None:
+    import socket
+
+    # A listener that accepts (the kernel's backlog) but never answers: the poll times out.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        er = EngineRouter(block_size=16)
+        e = er.add("slow", f"http://127.0.0.1:{s.getsockname()[1]}")
+        assert er.poll_metrics(e, timeout=0.2) is None
+        assert not er.cooling_down("slow"), "only a refused connection says the engine is gone"

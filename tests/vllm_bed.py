@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ __all__ = [
     "Bed",
     "BedError",
     "Engine",
+    "LiteLLMProxy",
     "build_model",
     "free_port",
     "http_json",
@@ -242,7 +244,7 @@ def stop_pid(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: 
             os.kill(k, signal.SIGKILL)
 
 
-_live: set[Engine | Gateway] = set()
+_live: set[Engine | Gateway | LiteLLMProxy] = set()
 _live_lock = threading.Lock()
 
 
@@ -479,6 +481,65 @@ class Gateway(_Server):
                     return self
             time.sleep(0.2)
         raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        self._stop(sig, timeout)
+
+
+@dataclass(eq=False)
+class LiteLLMProxy(_Server):
+    """The LiteLLM proxy of the bed's venv, ``litellm --config CONFIG`` (one uvicorn worker, no
+    database), on a free 127.0.0.1 port; ``env`` adds to its environment (``KVROUTE_*`` settings).
+    The proxy refuses to start without a master key: ``master_key`` is a fresh random one, passed as
+    ``LITELLM_MASTER_KEY``; requests send it (``auth``). ``start`` polls ``/health/liveliness``
+    (bounded); ``stop`` stops it by PID."""
+
+    bed: Bed
+    config: Path
+    env: dict[str, str] = field(default_factory=dict)
+    master_key: str = field(default_factory=lambda: "sk-" + secrets.token_hex(32))
+    name: str = "litellm-proxy"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        exe = self.bed.root / "venv" / "bin" / "litellm"
+        return [str(exe), "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port), "--num_workers", "1"]
+
+    def start(self, timeout: float = 120.0) -> LiteLLMProxy:
+        self.bed.logs.mkdir(parents=True, exist_ok=True)
+        # The bundled model cost map (no fetch from the network), no telemetry; the rest is the config's.
+        env = {
+            **os.environ,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_MASTER_KEY": self.master_key,
+            "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
+        }
+        env.pop("VIRTUAL_ENV", None)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(self.url + "/health/liveliness", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise BedError(f"{self.name} not alive within {timeout} s; log:\n{self.log_tail()}")
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.master_key}"}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         self._stop(sig, timeout)

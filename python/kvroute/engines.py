@@ -162,6 +162,10 @@ class EngineRouter:
         """The engine a lease was routed to."""
         return self._by_worker[lease.worker]
 
+    def engine_of_worker(self, worker: int) -> Engine | None:
+        """The engine behind a Router worker id (None once removed)."""
+        return self._by_worker.get(worker)
+
     def mark_failed(self, key: str) -> None:
         """A request failed on ``key``: keep new requests off it for ``failure_cooldown`` seconds."""
         with self._lock:
@@ -259,12 +263,18 @@ class EngineRouter:
         ).start()
 
     def poll_metrics(self, engine: Engine, timeout: float = 2.0) -> dict[str, float] | None:
-        """Reads one engine's /metrics once and folds waiting / running / KV usage into ``Router.observe``."""
+        """Reads one engine's /metrics once and folds waiting / running / KV usage into ``Router.observe``.
+
+        An engine that refuses the connection (nothing listens: it died) is marked failed, so new
+        requests avoid it for ``failure_cooldown`` seconds, renewed by every refused poll; a slow or
+        otherwise failing poll changes nothing."""
         try:
             with urllib.request.urlopen(engine.url + "/metrics", timeout=timeout) as r:
                 text = r.read().decode("utf-8", "replace")
         except (OSError, urllib.error.URLError, ValueError) as e:
             log.debug("metrics of %s: %s", engine.url, e)
+            if isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "reason", None), ConnectionRefusedError):
+                self.mark_failed(engine.key)
             return None
         seen = parse_engine_metrics(text)
         if seen:

@@ -11,6 +11,9 @@ import vllm_bed
 vllm_bed.skip_unless_bed()
 
 import json
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -91,3 +94,60 @@ def test_concurrent_requests_no_errors(app: App) -> None:
         assert (b"[DONE]" in o) if i % 2 == 0 else json.loads(o)["choices"][0]["finish_reason"] in ("length", "stop")
     # on_request_completed runs in the ingress once the response is done: wait (bounded) for it.
     poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
+
+
+def test_engine_killed_mid_run_requests_fail_over(app: App, live_engines: list[vllm_bed.Engine]) -> None:
+    """Three clients run conversations through both routers; after 6 requests one engine is SIGKILLed
+    (by its PID). Requests sent after the kill all succeed, on the live engine: a replica that cannot
+    reach its engine raises EngineUnavailable and the ingress makes the call again without it, and
+    every router cools the dead engine down (the failed request, or its refused /metrics poll). Those
+    in flight at the kill end within the timeout, answered or with an error. Every lease is released
+    exactly once. Last in the module (the app's replicas keep fronting the dead engine's URL until
+    live_engines restarts it)."""
+    for e in app.engines:
+        e.reset_prefix_cache()
+    victim, survivor = app.engines
+    lock = threading.Lock()
+    done = threading.Event()
+    killed_at: list[float] = []
+    results: list[tuple[float, bool, str]] = []  # (sent at, succeeded, error)
+
+    def client(convs: list[int]) -> None:
+        for turn in range(4):
+            for conv in convs:
+                t0 = time.monotonic()
+                try:
+                    _, out = app.chat(chat_turns(40 + conv, turn), stream=turn % 2 == 1)
+                    ok = (b"[DONE]" in out) if turn % 2 else json.loads(out)["choices"][0]["finish_reason"] in ("length", "stop")
+                    err = "" if ok else repr(out[-200:])
+                except Exception as e:  # recorded: those in flight at the kill may fail
+                    ok, err = False, f"{type(e).__name__}: {e}"
+                with lock:
+                    results.append((t0, ok, err))
+                    if len(results) >= 6:
+                        done.set()
+
+    success0 = survivor.metric("vllm:request_success_total")
+    threads = [threading.Thread(target=client, args=([c, c + 3],)) for c in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert done.wait(120), "the first 6 requests did not finish"
+        victim.stop(signal.SIGKILL)  # the API server and its engine core, by PID
+        killed_at.append(time.monotonic())
+    finally:
+        for t in threads:
+            t.join(300)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert len(results) == 24
+    after = [(ok, err) for t0, ok, err in results if t0 > killed_at[0]]
+    assert after, "requests were sent after the kill"
+    assert all(ok for ok, _ in after), [err for ok, err in after if not ok]
+    failed = [err for _, ok, err in results if not ok]
+    assert len(failed) <= 3, f"only the requests in flight at the kill (one per client) may fail: {failed}"
+    served = survivor.metric("vllm:request_success_total") - success0
+    assert served >= len(after), f"the live engine answered {served} requests, fewer than the {len(after)} sent after the kill"
+    poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
+    for rs in app.routers().values():
+        lz = rs[0]["leases"]
+        assert lz["opened"] == lz["finished"] + lz["cancelled"] + lz["failed"] and lz["expired"] == 0, lz
