@@ -56,6 +56,34 @@ def test_prefill_done_then_failure_frees_the_decode_side() -> None:
     assert r.load(0)["decoding"] == 0 and r.num_in_flight == 0
 
 
+def test_finish_without_a_first_token_does_not_count_the_answer_as_prefill() -> None:
+    """A host with no first-token signal (LiteLLM) reports only the end: the Router takes the prefill
+    as done when it predicted, so a long answer does not push back the queue behind it."""
+    r = kvroute.Router(block_size=16)
+    r.add_worker(0, prefill_tokens_per_s=6400.0)  # 128 uncached tokens: 20 ms of prefill each
+    leases = LeaseTable(r, ttl=30.0)
+    a = leases.open(_hashes(20), num_tokens=128)
+    b = leases.open(_hashes(21), num_tokens=128)
+    assert b.first_token_due > a.first_token_due
+    queued_until = r.load(0)["busy_until"]
+    for _ in range(400):  # the time passes: A's answer ends well after its predicted first token
+        if r.clock() > a.first_token_due + 0.05:
+            break
+        threading.Event().wait(0.005)
+    assert r.clock() > a.first_token_due + 0.05
+    assert leases.finish(a.ticket)
+    # Unchanged: A is taken to have prefilled on time (it would have moved by ~50 ms as "late").
+    assert r.load(0)["busy_until"] == pytest.approx(queued_until, abs=1e-6)
+    assert leases.finish(b.ticket) and r.num_in_flight == 0
+    # An answer that ends before its predicted first token bounds the prefill: the queue moves up.
+    c = leases.open(_hashes(22, blocks=800), num_tokens=12_800)  # 2 s predicted
+    d = leases.open(_hashes(23), num_tokens=128)
+    before = r.load(0)["busy_until"]
+    assert leases.finish(c.ticket)
+    assert r.load(0)["busy_until"] < before - 1.5
+    assert leases.finish(d.ticket) and r.num_in_flight == 0
+
+
 def test_abandoned_lease_expires_after_ttl() -> None:
     clock = Clock()
     r = _router()

@@ -58,6 +58,8 @@ class Lease:
     opened: float
     prefilled: bool = False
     outcome: Outcome | None = field(default=None)
+    #: When the Router expected the first token (its clock, ``Router.clock()``): routed at plus ``decision.predicted_ttft``.
+    first_token_due: float = float("inf")
 
     @property
     def released(self) -> bool:
@@ -110,18 +112,19 @@ class LeaseTable:
             allowed = set(allowed) & set(self.router.workers())
             if not allowed:
                 raise NoWorkersError("none of the allowed workers is registered with the router")
+        now = self.router.clock()  # one instant for the decision and its first token's due time
         d = self.router.route(
-            hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, explain=allowed is not None
+            hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, explain=allowed is not None, now=now
         )
         if allowed is not None and d.worker not in allowed:
             if d.admitted:
                 self.router.cancel(rid)
             scores = [s for s in d.explain or [] if s["worker"] in allowed]
             best = min(scores, key=lambda s: (s["score"], s["in_flight"], s["worker"]))["worker"] if scores else min(allowed)
-            d = self.router.route(hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, worker=best)
+            d = self.router.route(hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, worker=best, now=now)
         if not d.admitted:
             raise RequestRejected(d)
-        lease = Lease(rid, d.worker, d, self.clock())
+        lease = Lease(rid, d.worker, d, self.clock(), first_token_due=now + d.predicted_ttft)
         with self._lock:
             self._open[rid] = lease
             self.counts["opened"] += 1
@@ -154,7 +157,11 @@ class LeaseTable:
         """Releases the lease once: True the first time, False (counted as a duplicate) after.
 
         A request that failed or was cancelled before its first token gives its queued prefill
-        back (``Router.cancel``); any other ending frees its load (``Router.finished``)."""
+        back (``Router.cancel``); any other ending frees its load (``Router.finished``). A request
+        that finishes with no first token reported (hosts without that signal, such as LiteLLM's
+        callbacks) is taken to have prefilled when the Router predicted, or at its end if that is
+        earlier: its end bounds the prefill but does not measure it, and reporting the whole answer
+        as prefill time would shift that engine's predicted queue by the decode time."""
         with self._lock:
             lease = self._open.pop(ticket, None)
             if lease is None:
@@ -164,8 +171,11 @@ class LeaseTable:
             self.counts[outcome] += 1
         if outcome in ("failed", "cancelled") and not lease.prefilled:
             self._call(self.router.cancel, ticket)
-        else:
-            self._call(self.router.finished, ticket)
+            return True
+        if not lease.prefilled:
+            due = min(self.router.clock(), lease.first_token_due)
+            self._call(lambda t: self.router.prefill_done(t, now=due), ticket)
+        self._call(self.router.finished, ticket)
         return True
 
     def expire(self, now: float | None = None) -> int:
