@@ -178,10 +178,12 @@ def test_exact_tokens_equal_vllm_tokenize(live_engines: list[vllm_bed.Engine]) -
     e = live_engines[0]
     prompter = ExactPrompter(str(e.bed.model), BLOCK_SIZE, 1337)
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue? é 日本 😀"}]}
-    rendered = prompter.encode(prompter.render_chat(chat), add_special_tokens=False).tolist()
-    assert rendered == e.tokenize(chat)
-    text = "Once upon a time, in Paris: the weather tool\n\twas called."
-    assert prompter.encode(text, add_special_tokens=True).tolist() == e.tokenize({"prompt": text})
+    ids = prompter.token_ids(chat, chat=True)
+    assert ids is not None and ids.tolist() == e.tokenize(chat)
+    assert prompter.prompt(chat, chat=True).exact
+    text = {"prompt": "Once upon a time, in Paris: the weather tool\n\twas called."}
+    ids = prompter.token_ids(text, chat=False)
+    assert ids is not None and ids.tolist() == e.tokenize(text)
 
 
 def test_index_mirrors_engines(live_engines: list[vllm_bed.Engine]) -> None:
