@@ -57,9 +57,9 @@ impl KvIndex {
             for (k, &i) in order.iter().enumerate() {
                 pos[i as usize] = k as u32;
                 let n = g.node(i);
-                out.extend_from_slice(&n.hash.to_le_bytes());
+                out.extend_from_slice(&n.hash().to_le_bytes());
                 out.extend_from_slice(&n.tick.load(Relaxed).to_le_bytes());
-                match n.parent {
+                match n.parent() {
                     ROOT => out.push(0),
                     ORPHAN => {
                         out.push(2);
@@ -70,7 +70,7 @@ impl KvIndex {
                         out.extend_from_slice(&pos[p as usize].to_le_bytes());
                     }
                 }
-                g.arena.list(n.holders, &mut list);
+                g.arena.list(n.holders(), &mut list);
                 out.extend_from_slice(&(list.len() as u32).to_le_bytes());
                 for &(slot, tiers) in &list {
                     out.extend_from_slice(&slot.to_le_bytes());
@@ -167,7 +167,7 @@ impl KvIndex {
                 idx.awaiting_len.fetch_add(1, Relaxed);
             }
             total += g.live;
-            debug_assert!(at.iter().all(|&i| g.node(i).parent != FREE));
+            debug_assert!(at.iter().all(|&i| g.node(i).parent() != FREE));
         }
         if r.pos != data.len() {
             return Err(IndexError::Corrupt(format!("{} trailing bytes", data.len() - r.pos)));
