@@ -1,10 +1,18 @@
 //! The KV prefix index: which workers hold which blocks, keyed by chained sequence hashes.
-//! Concurrent: prefix matches read one shard under a shared lock while events write others.
+//! Concurrent: prefix matches take no lock at all and never wait for a writer, even one that is
+//! descheduled mid-store; writers lock one shard at a time.
 //!
 //! Layout. The tree is a forest: every chain starts at a block-0 hash (a root), and the whole
-//! chain lives in the shard its root hashes to. A match therefore takes one read lock and walks
-//! a flat hash table (sequence hashes identify their whole prefix, so a flat table plus a parent
-//! check is a radix tree without the pointer chasing). Writers lock one shard at a time.
+//! chain lives in the shard its root hashes to. A match therefore walks one shard's flat hash
+//! table (sequence hashes identify their whole prefix, so a flat table plus a parent check is a
+//! radix tree without the pointer chasing).
+//!
+//! Lock-free reads. Everything a match reads is atomics in memory that stays valid while it is
+//! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, swapped
+//! whole through `arc-swap` when it grows), holder sets and worker slots whose indices are reused
+//! only after the epoch's grace. Writers order their stores so that a reader's checks (a node's
+//! holders, then hash, then parent) can only accept what some state of the block held; a walk
+//! that races a writer may stop short (a block being removed or moved), never report more.
 //!
 //! Eviction. With `max_nodes`, a write that leaves more than `max_nodes` nodes evicts down to
 //! 90% of it: least recently stored-or-matched leaves first (a node is a leaf when no stored
