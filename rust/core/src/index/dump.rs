@@ -2,7 +2,6 @@
 //! Little-endian; per shard the nodes come parents first, children name their parent by position.
 
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
 
 use super::shard::{FREE, ORPHAN, ROOT};
 use super::{IndexError, KvIndex, WorkerId, NUM_SHARDS};
@@ -112,9 +111,10 @@ impl KvIndex {
                 reg.slot_of.insert(w, s);
             }
             reg.free = (0..reg.ids.len() as u32).filter(|&s| reg.ids[s as usize].is_none()).rev().collect();
-            idx.slot_ids.store(Arc::new(reg.ids.clone()));
+            idx.publish_slot_ids(reg.ids.clone());
         }
-        let nslots = idx.slot_ids.load().len() as u32;
+        let known: Vec<bool> = idx.registry.read().ids.iter().map(Option::is_some).collect();
+        let nslots = known.len() as u32;
         let mut total = 0usize;
         for s in 0..NUM_SHARDS {
             let count = r.u64("node count")? as usize;
@@ -154,7 +154,7 @@ impl KvIndex {
                 for _ in 0..nh {
                     let slot = r.u32("holder slot")?;
                     let tiers = r.u8("holder tiers")?;
-                    if slot >= nslots || idx.slot_ids.load()[slot as usize].is_none() || tiers == 0 || tiers > 7 {
+                    if slot >= nslots || !known[slot as usize] || tiers == 0 || tiers > 7 {
                         return Err(IndexError::Corrupt(format!("bad holder (slot {slot}, tiers {tiers})")));
                     }
                     g.add_holder(i, slot, tiers);

@@ -8,9 +8,9 @@
 //! radix tree without the pointer chasing).
 //!
 //! Lock-free reads. Everything a match reads is atomics in memory that stays valid while it is
-//! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, swapped
-//! whole through `arc-swap` when it grows), holder sets and worker slots whose indices are reused
-//! only after the epoch's grace. Writers order their stores so that a reader's checks (a node's
+//! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, replaced
+//! whole when it grows), the slot -> worker-id table, and holder sets and worker slots whose
+//! indices are reused only after the epoch's grace. Writers order their stores so that a reader's checks (a node's
 //! holders, then hash, then parent) can only accept what some state of the block held; a walk
 //! that races a writer may stop short (a block being removed or moved), never report more.
 //!
@@ -31,7 +31,6 @@ use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
@@ -134,7 +133,7 @@ pub struct KvIndex {
     released_tx: std::sync::mpsc::Sender<u32>,
     released_rx: Mutex<std::sync::mpsc::Receiver<u32>>,
     /// Slot -> worker id, read without locks by matches.
-    slot_ids: ArcSwap<Vec<Option<WorkerId>>>,
+    slot_ids: crossbeam_epoch::Atomic<Vec<Option<WorkerId>>>,
     /// Recency clock: +1 per store call; ticks are halved before it can wrap.
     clock: AtomicU32,
     nodes: AtomicUsize,
@@ -213,7 +212,7 @@ impl KvIndex {
             registry: RwLock::new(Registry::default()),
             released_tx: released.0,
             released_rx: Mutex::new(released.1),
-            slot_ids: ArcSwap::from_pointee(Vec::new()),
+            slot_ids: crossbeam_epoch::Atomic::new(Vec::new()),
             clock: AtomicU32::new(1),
             nodes: AtomicUsize::new(0),
             max_nodes,
@@ -264,7 +263,7 @@ impl KvIndex {
                 };
                 w.ids[s as usize] = Some(worker);
                 w.slot_of.insert(worker, s);
-                self.slot_ids.store(Arc::new(w.ids.clone()));
+                self.publish_slot_ids(w.ids.clone());
                 s
             }
         };
@@ -277,9 +276,25 @@ impl KvIndex {
         Some((r, s))
     }
 
+    /// Publishes a new slot -> worker-id table (under the registry's write lock); the old one is
+    /// freed once no pinned match can hold it.
+    fn publish_slot_ids(&self, ids: Vec<Option<WorkerId>>) {
+        let guard = crossbeam_epoch::pin();
+        let old = self.slot_ids.swap(crossbeam_epoch::Owned::new(ids), std::sync::atomic::Ordering::AcqRel, &guard);
+        // SAFETY: unlinked just now; pinned readers that loaded it keep it alive until they unpin.
+        unsafe { guard.defer_destroy(old) };
+    }
+
+    /// The slot -> worker-id table as published, valid while `guard` is pinned.
+    fn slot_ids_in<'g>(&self, guard: &'g crossbeam_epoch::Guard) -> &'g [Option<WorkerId>] {
+        // SAFETY: never null; replaced tables are freed through the epoch after `guard` unpins.
+        unsafe { self.slot_ids.load(std::sync::atomic::Ordering::Acquire, guard).deref() }
+    }
+
     /// Registered workers, in registration-slot order.
     pub fn workers(&self) -> Vec<WorkerId> {
-        self.slot_ids.load().iter().flatten().copied().collect()
+        let guard = crossbeam_epoch::pin();
+        self.slot_ids_in(&guard).iter().flatten().copied().collect()
     }
 
     // ---- writes ----------------------------------------------------------------------
@@ -481,6 +496,11 @@ impl KvIndex {
             prev_hash = Some(h);
         }
         drop(g);
+        if self.shards[s].shared.retired_tables.load(Relaxed) > 0 {
+            // A table this shard outgrew waits for the epoch: move it along so the memory
+            // comes back within a few stores, not whenever matches next happen to.
+            crossbeam_epoch::pin().flush();
+        }
         self.nodes.fetch_add(created, Relaxed);
         self.remember_shard(*hashes.last().unwrap(), s);
         if !linked.is_empty() {
@@ -704,7 +724,7 @@ impl KvIndex {
         let Some(slot) = reg.slot_of.remove(&worker) else { return 0 };
         let entries = self.clear_slot(slot);
         reg.ids[slot as usize] = None;
-        self.slot_ids.store(Arc::new(reg.ids.clone()));
+        self.publish_slot_ids(reg.ids.clone());
         // The slot is reused only once no match that may have read it before the clear is
         // still pinned: such a match names it by the `slot_ids` it loads, which then says this
         // worker or no one, never the slot's next worker.
@@ -761,9 +781,7 @@ impl KvIndex {
         // nothing it reads is freed or reused under it. A writer in this shard, running or
         // descheduled, never holds it up.
         let guard = crossbeam_epoch::pin();
-        let shared = &self.shards[root_shard(h0)].shared;
-        let table = shared.table.load();
-        let g = shared.view(&guard, &table);
+        let g = self.shards[root_shard(h0)].shared.view(&guard);
         let clock = self.clock.load(Relaxed);
         let MatchScratch { alive, slots } = scratch;
         slots.clear();
@@ -784,7 +802,7 @@ impl KvIndex {
                     // Words of the bitset: as many as the highest slot needs (a worker registered
                     // after this match began can only be in blocks it stored since, and is named
                     // by the `slot_ids` loaded below or not at all).
-                    nw = self.slot_ids.load().len().div_ceil(64).max(1);
+                    nw = self.slot_ids_in(&guard).len().div_ceil(64).max(1);
                     alive.clear();
                     alive.resize(nw, 0);
                 }
@@ -825,9 +843,7 @@ impl KvIndex {
         }
         // Loaded after the walk, still pinned: a slot read above names its worker, or no one
         // if the worker was removed meanwhile (slots are reused only after the epoch's grace).
-        let ids = self.slot_ids.load();
-        drop(table);
-        drop(guard);
+        let ids = self.slot_ids_in(&guard);
         for &(slot, d) in slots.iter() {
             if d == 0 {
                 continue;

@@ -4,8 +4,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
-use crossbeam_epoch::{self as epoch, Atomic, Guard};
+use std::sync::atomic::AtomicUsize;
+
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 
 use super::holders::{self, HolderArena, Holders, SetDir, TierMask};
 use super::slab::{ChunkDir, Slab};
@@ -135,20 +136,22 @@ impl Node {
 
 /// What matches read without a lock, shared by a shard's writer and its readers: the published
 /// chunk list, hash table and holder sets. Each is swapped only by the writer (under the shard
-/// lock). A replaced chunk list or set directory (small) is freed through the epoch once no pinned
-/// reader can hold it; a replaced table (megabytes) through `arc-swap`, so that it is freed at
-/// once by the writer when no match holds it, not whenever the epoch next advances.
+/// lock), and what it replaces is freed through the epoch once no pinned reader can hold it.
+/// (A replaced table is megabytes: `retired_tables` counts those not yet freed, and stores push
+/// the epoch along while there are any, so the memory comes back within a few stores.)
 pub(crate) struct Shared {
     pub chunks: Atomic<ChunkDir>,
-    pub table: ArcSwap<Table>,
+    pub table: Atomic<Table>,
     pub sets: Atomic<SetDir>,
+    pub retired_tables: Arc<AtomicUsize>,
 }
 
 impl Default for Shared {
     fn default() -> Self {
         Shared {
             chunks: Atomic::new(ChunkDir::empty()),
-            table: ArcSwap::from_pointee(Table::with_buckets(table::buckets_for(0))),
+            table: Atomic::new(Table::with_buckets(table::buckets_for(0))),
+            retired_tables: Default::default(),
             sets: Atomic::new(SetDir::with_capacity(0)),
         }
     }
@@ -163,6 +166,7 @@ impl Drop for Shared {
             let chunks = self.chunks.load(Relaxed, g);
             chunks.deref().free_chunks();
             drop(chunks.into_owned());
+            drop(self.table.load(Relaxed, g).into_owned());
             let sets = self.sets.load(Relaxed, g);
             sets.deref().free_sets();
             drop(sets.into_owned());
@@ -171,14 +175,25 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    /// The shard as a pinned reader sees it, with `table` loaded from `self.table`.
+    /// The shard as a pinned reader sees it.
     #[inline]
-    pub fn view<'g>(&'g self, guard: &'g Guard, table: &'g Table) -> View<'g> {
+    pub fn view<'g>(&self, guard: &'g Guard) -> View<'g> {
         // SAFETY: never null (set at construction, only ever swapped for another), and `guard`
         // keeps what was loaded alive.
-        unsafe { View { chunks: self.chunks.load(Acquire, guard).deref(), table, sets: self.sets.load(Acquire, guard).deref() } }
+        unsafe {
+            View {
+                chunks: self.chunks.load(Acquire, guard).deref(),
+                table: self.table.load(Acquire, guard).deref(),
+                sets: self.sets.load(Acquire, guard).deref(),
+            }
+        }
     }
 }
+
+/// A replaced table on its way to being freed.
+struct RetiredTable(*mut Table);
+// SAFETY: unlinked from `Shared::table`; owned by the deferred function that frees it.
+unsafe impl Send for RetiredTable {}
 
 /// A consistent-enough look at one shard for a walk: the chunk list, table and holder sets as
 /// published when it was taken. Nodes are read with the ordering described at `Node`.
@@ -322,8 +337,6 @@ fn put_after(nodes: &mut Slab, p: u32, node: NodeVal) -> Result<u32, NodeVal> {
 pub(crate) struct Shard {
     pub shared: Arc<Shared>,
     pub nodes: Slab,
-    /// The writer's handle on the published table.
-    table: Arc<Table>,
     free: Vec<u32>,
     /// Entries in the table, and how many more it takes before it must grow (tombstones use
     /// room up, as in hashbrown).
@@ -342,10 +355,9 @@ pub(crate) struct Shard {
 impl Default for Shard {
     fn default() -> Self {
         let shared = Arc::new(Shared::default());
-        let table = shared.table.load_full();
-        let buckets = table.buckets();
+        // SAFETY: not shared with anyone yet.
+        let buckets = unsafe { shared.table.load(Relaxed, epoch::unprotected()).deref().buckets() };
         Shard {
-            table,
             nodes: Slab::new(shared.clone()),
             arena: HolderArena::new(shared.clone()),
             shared,
@@ -363,7 +375,9 @@ impl Default for Shard {
 impl Shard {
     #[inline]
     fn table_ref(&self) -> &Table {
-        &self.table
+        // SAFETY: only the lock holder (borrowed through `self`) swaps the table and retires the
+        // old one, so the current one outlives this borrow.
+        unsafe { self.shared.table.load(Relaxed, epoch::unprotected()).deref() }
     }
 
     #[inline]
@@ -416,12 +430,22 @@ impl Shard {
         self.free.len() + self.nodes.spare()
     }
 
-    /// Publishes a table made by `grown_table`. The old one is freed here unless a match still
-    /// holds it (then by that match, when it is done).
+    /// Publishes a table made by `grown_table`; the old one is freed once no match holds it.
     pub fn set_table(&mut self, table: Table) {
         let cap = table::capacity_of(table.buckets());
-        self.table = Arc::new(table);
-        self.shared.table.store(self.table.clone());
+        let guard = epoch::pin();
+        let old = self.shared.table.swap(Owned::new(table), std::sync::atomic::Ordering::AcqRel, &guard);
+        let old = RetiredTable(old.as_raw() as *mut Table);
+        let count = self.shared.retired_tables.clone();
+        count.fetch_add(1, Relaxed);
+        guard.defer(move || {
+            let old = old;
+            // SAFETY: unlinked above and owned by this deferred function alone; no pinned reader
+            // that loaded it is left.
+            drop(unsafe { Box::from_raw(old.0) });
+            count.fetch_sub(1, Relaxed);
+        });
+        guard.flush();
         self.table_growth_left = cap - self.table_items;
     }
 

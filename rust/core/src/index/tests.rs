@@ -513,3 +513,20 @@ fn lock_free_matches_never_over_report_under_concurrent_writes() {
     let st = idx.stats();
     assert_eq!(st.nodes as usize, idx.len());
 }
+
+#[test]
+fn matches_do_not_wait_for_a_writer_holding_the_shard() {
+    // A writer descheduled mid-store holds its shard's lock: a match of a chain in that shard
+    // still answers (with the lock-based read path, this very thread would deadlock here).
+    let idx = KvIndex::new(None);
+    let c = chain(31, 300);
+    idx.store(1, &c, None, Tier::Device).unwrap();
+    idx.store(2, &c[..100], None, Tier::Device).unwrap();
+    let held = idx.shard(root_shard(c[0])).write();
+    assert_eq!(depth(&idx, &c, 1), Some(300));
+    assert_eq!(depth(&idx, &c, 2), Some(100));
+    drop(held);
+    let held = idx.shard(root_shard(c[0])).upgradable_read();
+    assert_eq!(depth(&idx, &c, 1), Some(300));
+    drop(held);
+}
