@@ -166,6 +166,7 @@ impl KvIndex {
                 idx.awaiting.lock().entry(p).or_default().push((s as u32, i));
                 idx.awaiting_len.fetch_add(1, Relaxed);
             }
+            g.arena.retire_pending();
             total += g.live;
             debug_assert!(at.iter().all(|&i| g.node(i).parent() != FREE));
         }

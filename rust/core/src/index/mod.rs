@@ -419,6 +419,7 @@ impl KvIndex {
                 // Let matches in every few blocks, so a long store never holds them up for long
                 // (they spin rather than park, so an unconditional release is what lets them in);
                 // then make sure the block we chain under is still there.
+                g.arena.retire_pending();
                 drop(g);
                 g = write_spinning(self.shard(s));
                 if let (true, Some(ph)) = (prev < FREE, prev_hash) {
@@ -495,6 +496,7 @@ impl KvIndex {
             prev = i;
             prev_hash = Some(h);
         }
+        g.arena.retire_pending();
         drop(g);
         if self.shards[s].shared.retired_tables.load(Relaxed) > 0 {
             // A table this shard outgrew waits for the epoch: move it along so the memory
@@ -631,6 +633,7 @@ impl KvIndex {
                 moved_nodes -= 1;
             }
         }
+        dst.arena.retire_pending();
         self.nodes.fetch_add(moved_nodes.max(0) as usize, Relaxed);
         self.nodes.fetch_sub((-moved_nodes).max(0) as usize, Relaxed);
     }

@@ -682,7 +682,8 @@ impl Shard {
         let h = self.nodes[i as usize].holders();
         let (nh, added) = self.arena.add(h, slot, tier);
         self.nodes[i as usize].set_holders(nh);
-        self.arena.retire_pending();
+        // (A set this released is retired by the caller before it lets the shard go: once per
+        // store, not per block. Retiring later than needed is always safe.)
         if added.new_entry {
             self.bump(slot, 1);
         }
@@ -778,7 +779,6 @@ impl Shard {
             }
             let (nh, gone) = self.arena.remove(hold, slot, holders::ANY_TIER);
             self.nodes[i as usize].set_holders(nh);
-            self.arena.retire_pending();
             if gone {
                 entries += 1;
                 self.bump(slot, -1);
@@ -787,6 +787,7 @@ impl Shard {
                 emptied.push(i);
             }
         }
+        self.arena.retire_pending();
         let mut deleted = 0;
         for i in emptied {
             if self.is_live(i) {
