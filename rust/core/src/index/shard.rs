@@ -38,19 +38,29 @@ pub(crate) fn mix(h: u64) -> u64 {
 }
 
 /// One block: 24 bytes. Every field is an atomic, so that matches read nodes without the shard
-/// lock while its writer changes them. The writer fills a slot hash first, then tick and child
-/// count, then holders (release), then parent (release), and frees one parent first, then
-/// holders; a reader that reads holders (acquire), then hash, then parent, and finds hash and
-/// parent as it expects, read the holders of that very block (see `View::is_child`).
+/// lock while its writer changes them. Holders and parent share one `AtomicU64` (`hp`: holders in
+/// the low half, parent in the high half), so a reader gets both in one load. The writer fills a
+/// slot hash first, then tick and child count, then `hp` (release); it frees a slot by storing
+/// (no holders, `FREE`) in `hp`. A reader that loads `hp` (acquire) and then the hash, and finds
+/// hash and parent as it expects, has the holders of that very block: a slot freed and refilled
+/// under it shows the new hash to whoever saw the new `hp` (see `View::is_child`).
 pub(crate) struct Node {
     hash: AtomicU64,
-    /// Encoded holders (see `holders`).
-    hold: AtomicU32,
+    /// Encoded holders (see `holders`) | parent index (or `ROOT` / `ORPHAN` / `FREE`) << 32.
+    hp: AtomicU64,
     /// Recency for eviction: the index clock when last stored or matched.
     pub tick: AtomicU32,
-    /// Index of the parent node in this shard, or `ROOT` / `ORPHAN` / `FREE`.
-    par: AtomicU32,
     kids: AtomicU32,
+}
+
+#[inline]
+pub(crate) fn pack(holders: Holders, parent: u32) -> u64 {
+    holders as u64 | (parent as u64) << 32
+}
+
+#[inline]
+pub(crate) fn unpack(hp: u64) -> (Holders, u32) {
+    (hp as u32, (hp >> 32) as u32)
 }
 
 /// A node's fields as plain values, for writing a slot in one go.
@@ -71,50 +81,48 @@ impl NodeVal {
 
 impl Node {
     pub fn free() -> Node {
-        Node {
-            hash: AtomicU64::new(0),
-            hold: AtomicU32::new(holders::EMPTY),
-            tick: AtomicU32::new(0),
-            par: AtomicU32::new(FREE),
-            kids: AtomicU32::new(0),
-        }
+        Node { hash: AtomicU64::new(0), hp: AtomicU64::new(pack(holders::EMPTY, FREE)), tick: AtomicU32::new(0), kids: AtomicU32::new(0) }
     }
     #[inline]
     pub fn hash(&self) -> u64 {
         self.hash.load(Acquire)
     }
+    /// (holders, parent) in one load.
+    #[inline]
+    pub fn hp(&self) -> u64 {
+        self.hp.load(Acquire)
+    }
     #[inline]
     pub fn holders(&self) -> Holders {
-        self.hold.load(Acquire)
+        self.hp() as u32
     }
     #[inline]
     pub fn parent(&self) -> u32 {
-        self.par.load(Acquire)
+        (self.hp() >> 32) as u32
     }
     #[inline]
     pub fn children(&self) -> u32 {
         self.kids.load(Relaxed)
     }
+    /// Writer only (the one writer changes `hp`, so load-then-store loses nothing).
     #[inline]
     pub fn set_holders(&self, h: Holders) {
-        self.hold.store(h, Release);
+        let (_, p) = unpack(self.hp.load(Relaxed));
+        self.hp.store(pack(h, p), Release);
     }
+    /// Writer only.
     #[inline]
     pub fn set_parent(&self, p: u32) {
-        self.par.store(p, Release);
+        let (h, _) = unpack(self.hp.load(Relaxed));
+        self.hp.store(pack(h, p), Release);
     }
     #[inline]
     pub fn set_children(&self, c: u32) {
         self.kids.store(c, Relaxed);
     }
     pub fn val(&self) -> NodeVal {
-        NodeVal {
-            hash: self.hash(),
-            holders: self.holders(),
-            tick: self.tick.load(Relaxed),
-            parent: self.parent(),
-            children: self.children(),
-        }
+        let (holders, parent) = unpack(self.hp());
+        NodeVal { hash: self.hash(), holders, tick: self.tick.load(Relaxed), parent, children: self.children() }
     }
     /// Writes a slot (see the type's docs for the order).
     #[inline]
@@ -122,14 +130,12 @@ impl Node {
         self.hash.store(v.hash, Relaxed);
         self.tick.store(v.tick, Relaxed);
         self.kids.store(v.children, Relaxed);
-        self.hold.store(v.holders, Release);
-        self.par.store(v.parent, Release);
+        self.hp.store(pack(v.holders, v.parent), Release);
     }
     /// Marks a slot free (its hash stays until it is filled again).
     #[inline]
     pub fn clear(&self) {
-        self.par.store(FREE, Release);
-        self.hold.store(holders::EMPTY, Release);
+        self.hp.store(pack(holders::EMPTY, FREE), Release);
         self.kids.store(0, Relaxed);
     }
 }
@@ -215,14 +221,13 @@ impl<'g> View<'g> {
         self.table.find(mix(h), |i| chunks.get(i as usize).is_some_and(|n| n.hash() == h))
     }
 
-    /// Node `i` as `h`'s node under `prev`, with its holders: read holders first, then hash,
-    /// then parent, so holders that a concurrent refill of the slot wrote are never taken for
-    /// `h`'s (the refill writes hash before holders).
+    /// Node `i` as `h`'s node under `prev`, with its holders: holders and parent in one load,
+    /// then the hash (see `Node`).
     #[inline]
     pub fn is_child(&self, i: u32, h: u64, prev: u32) -> Option<Holders> {
         let n = self.node(i)?;
-        let hold = n.holders();
-        (n.hash() == h && n.parent() == prev).then_some(hold)
+        let (hold, parent) = unpack(n.hp());
+        (n.hash() == h && parent == prev).then_some(hold)
     }
 
     /// Finds `h` as a child of `prev` (whose hash is `prev_hash`), trying slab slot `guess`
@@ -237,11 +242,10 @@ impl<'g> View<'g> {
         }
         let i = self.find(h)?;
         let n = self.node(i)?;
-        let hold = n.holders();
+        let (hold, p) = unpack(n.hp());
         if n.hash() != h {
             return None;
         }
-        let p = n.parent();
         let ok = p == prev || (prev < FREE && p < FREE && self.node(p).is_some_and(|pn| pn.hash() == prev_hash));
         ok.then_some((i, hold))
     }
@@ -261,8 +265,8 @@ impl<'g> View<'g> {
             }
             let before = n;
             for (node, &h) in tail.iter().zip(&hashes[n..]) {
-                // Holders first (see `is_child`).
-                if node.holders() != holders || node.hash() != h || node.parent() as usize != cur {
+                // Holders and parent in one load, then the hash (see `Node`).
+                if node.hp() != pack(holders, cur as u32) || node.hash() != h {
                     break;
                 }
                 if node.tick.load(Relaxed) != clock {
