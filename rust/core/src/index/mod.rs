@@ -10,9 +10,10 @@
 //! Lock-free reads. Everything a match reads is atomics in memory that stays valid while it is
 //! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, replaced
 //! whole when it grows), the slot -> worker-id table, and holder sets and worker slots whose
-//! indices are reused only after the epoch's grace. Writers order their stores so that a reader's checks (a node's
-//! holders, then hash, then parent) can only accept what some state of the block held; a walk
-//! that races a writer may stop short (a block being removed or moved), never report more.
+//! indices are reused only after the epoch's grace. Writers order their stores so that a
+//! reader's checks (a node's holders and parent, one load, then its hash) can only accept what
+//! some state of the block held; a walk that races a writer may stop short (a block being
+//! removed or moved), never report more.
 //!
 //! Eviction. With `max_nodes`, a write that leaves more than `max_nodes` nodes evicts down to
 //! 90% of it: least recently stored-or-matched leaves first (a node is a leaf when no stored
