@@ -463,7 +463,7 @@ impl Shard {
     }
 
     /// `h`'s node, or else the bucket its entry goes in (after `table_reserve_one`).
-    #[inline]
+    #[inline(always)]
     fn find_or_vacant(&self, h: u64) -> Result<u32, usize> {
         let nodes = &self.nodes;
         self.table_ref().find_or_vacant(mix(h), |i| nodes.get(i as usize).is_some_and(|n| n.hash() == h))

@@ -103,7 +103,7 @@ impl Table {
 
     /// Writer only: the slot `eq` accepts, or else the bucket where the key goes (the first empty
     /// or deleted one on its probe sequence; the table must have room), in one probe sequence.
-    #[inline]
+    #[inline(always)]
     pub fn find_or_vacant(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Result<u32, usize> {
         let tag = h2(hash);
         let mut pos = hash as usize & self.gmask;
