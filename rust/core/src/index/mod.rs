@@ -499,11 +499,8 @@ impl KvIndex {
         }
         g.arena.retire_pending();
         drop(g);
-        if self.shards[s].shared.retired_tables.load(Relaxed) > 0 {
-            // A table this shard outgrew waits for the epoch: move it along so the memory
-            // comes back within a few stores, not whenever matches next happen to.
-            crossbeam_epoch::pin().flush();
-        }
+        // A table this shard outgrew is freed here, by the writer, once no match can hold it.
+        self.shards[s].shared.free_retired_tables();
         self.nodes.fetch_add(created, Relaxed);
         self.remember_shard(*hashes.last().unwrap(), s);
         if !linked.is_empty() {

@@ -5,6 +5,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relax
 use std::sync::Arc;
 
 use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::{channel, Receiver, Sender};
+
+use parking_lot::Mutex;
 
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 
@@ -143,18 +146,26 @@ impl Node {
 /// What matches read without a lock, shared by a shard's writer and its readers: the published
 /// chunk list, hash table and holder sets. Each is swapped only by the writer (under the shard
 /// lock), and what it replaces is freed through the epoch once no pinned reader can hold it.
-/// (A replaced table is megabytes: `retired_tables` counts those not yet freed, and stores push
-/// the epoch along while there are any, so the memory comes back within a few stores.)
+/// A replaced table is megabytes, and freeing it (unmapping) takes long enough to show in a match's
+/// latency, so it is not freed by whichever thread runs the epoch's deferred work (a match, as
+/// often as not): that work only passes it to `graveyard`, and the writer frees it in
+/// `free_retired_tables`, after its store. `retired_tables` counts those not yet freed; stores push
+/// the epoch along while there are any, so the memory comes back within a few stores.
 pub(crate) struct Shared {
     pub chunks: Atomic<ChunkDir>,
     pub table: Atomic<Table>,
     pub sets: Atomic<SetDir>,
     pub retired_tables: Arc<AtomicUsize>,
+    graveyard_tx: Sender<RetiredTable>,
+    graveyard: Mutex<Receiver<RetiredTable>>,
 }
 
 impl Default for Shared {
     fn default() -> Self {
+        let (graveyard_tx, graveyard) = channel();
         Shared {
+            graveyard_tx,
+            graveyard: Mutex::new(graveyard),
             chunks: Atomic::new(ChunkDir::empty()),
             table: Atomic::new(Table::with_buckets(table::buckets_for(0))),
             retired_tables: Default::default(),
@@ -181,6 +192,21 @@ impl Drop for Shared {
 }
 
 impl Shared {
+    /// Writer side, after a store: pushes the epoch along and frees the tables this shard retired
+    /// that no match can hold any more.
+    pub fn free_retired_tables(&self) {
+        if self.retired_tables.load(Relaxed) == 0 {
+            return;
+        }
+        epoch::pin().flush();
+        if let Some(rx) = self.graveyard.try_lock() {
+            for t in rx.try_iter() {
+                drop(t);
+                self.retired_tables.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+
     /// The shard as a pinned reader sees it.
     #[inline]
     pub fn view<'g>(&self, guard: &'g Guard) -> View<'g> {
@@ -196,10 +222,18 @@ impl Shared {
     }
 }
 
-/// A replaced table on its way to being freed.
+/// A replaced table on its way to being freed (when this is dropped).
 struct RetiredTable(*mut Table);
-// SAFETY: unlinked from `Shared::table`; owned by the deferred function that frees it.
+// SAFETY: unlinked from `Shared::table`; owned by whoever holds this.
 unsafe impl Send for RetiredTable {}
+
+impl Drop for RetiredTable {
+    fn drop(&mut self) {
+        // SAFETY: made from the `Box` behind an `Owned` that was unlinked, and owned only here;
+        // it is dropped once the epoch's grace has passed (or with the index).
+        drop(unsafe { Box::from_raw(self.0) });
+    }
+}
 
 /// A consistent-enough look at one shard for a walk: the chunk list, table and holder sets as
 /// published when it was taken. Nodes are read with the ordering described at `Node`.
@@ -440,15 +474,11 @@ impl Shard {
         let guard = epoch::pin();
         let old = self.shared.table.swap(Owned::new(table), std::sync::atomic::Ordering::AcqRel, &guard);
         let old = RetiredTable(old.as_raw() as *mut Table);
-        let count = self.shared.retired_tables.clone();
-        count.fetch_add(1, Relaxed);
-        guard.defer(move || {
-            let old = old;
-            // SAFETY: unlinked above and owned by this deferred function alone; no pinned reader
-            // that loaded it is left.
-            drop(unsafe { Box::from_raw(old.0) });
-            count.fetch_sub(1, Relaxed);
-        });
+        self.shared.retired_tables.fetch_add(1, Relaxed);
+        let graveyard = self.shared.graveyard_tx.clone();
+        // After the grace, to the writer (a send never waits); if the index is gone by then, the
+        // table comes back in the error and is freed right there.
+        guard.defer(move || drop(graveyard.send(old)));
         guard.flush();
         self.table_growth_left = cap - self.table_items;
     }
