@@ -155,14 +155,15 @@ pub struct KvIndex {
 }
 
 const HINT_SLOTS: usize = 1 << 14;
-/// A store yields its shard to waiting matches every this many blocks.
+/// A store releases its shard every this many blocks, so other writers and the lock-taking reads
+/// (a store's parent lookup, stats) are not held up long behind it. (Matches take no lock.)
 const YIELD_EVERY: usize = 16;
-/// How long a writer spins for readers to leave before it parks (~10-20 us).
+/// How long a writer spins for the lock's other holders to leave before it parks (~10-20 us).
 const WRITER_SPINS: u32 = 4096;
 
-/// Upgrades to write access, spinning while readers finish. A parked writer makes parking_lot
-/// block new readers until the writer has been woken and is done: tens of microseconds of
-/// stall for every match on the shard; matches are short, so spinning costs less.
+/// Upgrades to write access, spinning while the lock's readers (parent lookups, stats; never
+/// matches) finish: they are short, and a parked writer makes parking_lot hold new ones back
+/// until it has been woken and is done.
 fn upgrade_spinning(mut ug: RwLockUpgradableReadGuard<'_, Shard>) -> RwLockWriteGuard<'_, Shard> {
     for _ in 0..WRITER_SPINS {
         match RwLockUpgradableReadGuard::try_upgrade(ug) {
@@ -417,9 +418,8 @@ impl KvIndex {
         let mut k = 0;
         while k < hashes.len() {
             if k % YIELD_EVERY == 0 && k > 0 {
-                // Let matches in every few blocks, so a long store never holds them up for long
-                // (they spin rather than park, so an unconditional release is what lets them in);
-                // then make sure the block we chain under is still there.
+                // Let other writers in every few blocks, so a long store never holds them up for
+                // long; then make sure the block we chain under is still there.
                 g.arena.retire_pending();
                 drop(g);
                 g = write_spinning(self.shard(s));
