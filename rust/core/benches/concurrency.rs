@@ -5,6 +5,15 @@
 //! `p99_ratio_1024` (highest p99 with the writer over idle p99).
 //! `KVROUTE_BENCH_SEPARATE_WRITER=1` makes the writer store into a second index: the baseline
 //! for how much of the tail is the host rather than the index's locks.
+//! Each line also gives matches per second of CPU time the readers got, with 1 and 2 threads, and
+//! the share of their time spent waiting for a CPU (`/proc/thread-self/schedstat`); the JSON line
+//! adds the worst ratio of the former (`two_thread_cpu_efficiency`: near 1 when two cores running
+//! matches do not slow each other down) and the largest of the latter (`max_reader_cpu_wait`:
+//! how much of the host the scaling figure could not have).
+//! Diagnostics for where a tail comes from: `KVROUTE_BENCH_WRITER_NO_STORES=1` keeps the writer
+//! thread and its pacing but makes it store nothing (the tail of a thread that wakes ~15k times a
+//! second beside the reader); `KVROUTE_BENCH_WRITER_SPIN=1` paces the writer by spinning instead
+//! of sleeping.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -14,28 +23,47 @@ use kvroute_core::{KvIndex, MatchScratch, Matches, Tier, ANY_TIER};
 mod common;
 use common::{build, chat_workload};
 
-fn match_rate(idx: &KvIndex, qs: &[&[u64]], threads: usize, window: Duration) -> f64 {
+/// This thread's time on a CPU and time waiting for one, in ns (`/proc/thread-self/schedstat`;
+/// zeros where it cannot be read).
+fn sched_ns() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let mut it = s.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+    (it.next().unwrap_or(0), it.next().unwrap_or(0))
+}
+
+/// Matches per second over `window` with `threads` readers, and the readers' matches per second
+/// of CPU time they got and share of their time spent waiting for a CPU: on a shared host, two
+/// readers can only scale as far as a second core is free, while matches per CPU-second show
+/// whether the code itself slows down (shared cache lines) when two cores run it.
+fn match_rate(idx: &KvIndex, qs: &[&[u64]], threads: usize, window: Duration) -> (f64, f64, f64) {
     let stop = AtomicBool::new(false);
     let total = AtomicU64::new(0);
+    let (cpu, wait) = (AtomicU64::new(0), AtomicU64::new(0));
     std::thread::scope(|s| {
         for t in 0..threads {
-            let (stop, total) = (&stop, &total);
+            let (stop, total, cpu, wait) = (&stop, &total, &cpu, &wait);
             s.spawn(move || {
                 let (mut sc, mut out) = (MatchScratch::default(), Matches::default());
                 let mut n = 0u64;
                 let mut i = t * 7;
+                let (c0, w0) = sched_ns();
                 while !stop.load(Ordering::Relaxed) {
                     idx.match_into(qs[i % qs.len()], ANY_TIER, &mut sc, &mut out);
                     i += 1;
                     n += 1;
                 }
+                let (c1, w1) = sched_ns();
                 total.fetch_add(n, Ordering::Relaxed);
+                cpu.fetch_add(c1 - c0, Ordering::Relaxed);
+                wait.fetch_add(w1 - w0, Ordering::Relaxed);
             });
         }
         std::thread::sleep(window); // the measurement window
         stop.store(true, Ordering::Relaxed);
     });
-    total.load(Ordering::Relaxed) as f64 / window.as_secs_f64()
+    let n = total.load(Ordering::Relaxed) as f64;
+    let (cpu, wait) = (cpu.load(Ordering::Relaxed) as f64, wait.load(Ordering::Relaxed) as f64);
+    (n / window.as_secs_f64(), if cpu > 0.0 { n / (cpu / 1e9) } else { f64::NAN }, wait / (cpu + wait).max(1.0))
 }
 
 fn latencies(idx: &KvIndex, qs: &[&[u64]], rounds: usize) -> Vec<f64> {
@@ -66,16 +94,21 @@ fn main() {
     let writer_sessions = chat_workload(8, 4_000_000, 99);
     let separate = KvIndex::new(None);
     let widx: &KvIndex = if std::env::var_os("KVROUTE_BENCH_SEPARATE_WRITER").is_some() { &separate } else { &idx };
+    let no_stores = std::env::var_os("KVROUTE_BENCH_WRITER_NO_STORES").is_some();
+    let spin = std::env::var_os("KVROUTE_BENCH_WRITER_SPIN").is_some();
     println!("index: {} nodes, {} entries", idx.len(), idx.stats().entries);
     // The writer goes on where the previous measurement stopped, so it always stores new blocks.
     let mut next_session = 0usize;
     let (mut worst_scaling, mut worst_128, mut worst_1024) = (f64::INFINITY, 0f64, 0f64);
+    let (mut worst_cpu_eff, mut max_wait) = (f64::INFINITY, 0f64);
     for run in 1..=RUNS {
         for blocks in [128usize, 1024] {
             let qs: Vec<&[u64]> = sessions.iter().filter(|s| s.seq.len() >= blocks).take(256).map(|s| &s.seq[..blocks]).collect();
             let window = Duration::from_millis(1500);
-            let r1 = match_rate(&idx, &qs, 1, window);
-            let r2 = match_rate(&idx, &qs, 2, window);
+            let (r1, c1, w1) = match_rate(&idx, &qs, 1, window);
+            let (r2, c2, w2) = match_rate(&idx, &qs, 2, window);
+            worst_cpu_eff = worst_cpu_eff.min(c2 / c1);
+            max_wait = max_wait.max(w1).max(w2);
             let idle = latencies(&idx, &qs, 40);
             // A writer paced at ~1M blocks/s (64-block stores) while one thread measures.
             let stop = AtomicBool::new(false);
@@ -92,11 +125,17 @@ fn main() {
                                 break 'outer;
                             }
                             let parent = (c > 0).then(|| sess.seq[c * 64 - 1]);
-                            widx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
+                            if !no_stores {
+                                widx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
+                            }
                             let n = stored.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
                             let due = Duration::from_secs_f64(n as f64 / 1e6);
                             let el = t0.elapsed();
-                            if due > el {
+                            if due > el && spin {
+                                while t0.elapsed() < due {
+                                    std::hint::spin_loop();
+                                }
+                            } else if due > el {
                                 std::thread::sleep(due - el);
                             }
                         }
@@ -129,7 +168,17 @@ fn main() {
                 pct(&busy.0, 0.5),
                 pct(&busy.0, 0.99),
             );
+            println!(
+                "       per CPU-second: 1 thread {:.2}M, 2 threads {:.2}M match/s ({:.2}x); readers waiting for a CPU {:.0}% / {:.0}% of their time",
+                c1 / 1e6,
+                c2 / 1e6,
+                c2 / c1,
+                w1 * 100.0,
+                w2 * 100.0
+            );
         }
     }
-    println!("{{\"two_thread_scaling\": {worst_scaling:.3}, \"p99_ratio_128\": {worst_128:.3}, \"p99_ratio_1024\": {worst_1024:.3}}}");
+    println!(
+        "{{\"two_thread_scaling\": {worst_scaling:.3}, \"p99_ratio_128\": {worst_128:.3}, \"p99_ratio_1024\": {worst_1024:.3}, \"two_thread_cpu_efficiency\": {worst_cpu_eff:.3}, \"max_reader_cpu_wait\": {max_wait:.3}}}"
+    );
 }

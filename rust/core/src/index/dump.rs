@@ -2,7 +2,6 @@
 //! Little-endian; per shard the nodes come parents first, children name their parent by position.
 
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
 
 use super::shard::{FREE, ORPHAN, ROOT};
 use super::{IndexError, KvIndex, WorkerId, NUM_SHARDS};
@@ -57,9 +56,9 @@ impl KvIndex {
             for (k, &i) in order.iter().enumerate() {
                 pos[i as usize] = k as u32;
                 let n = g.node(i);
-                out.extend_from_slice(&n.hash.to_le_bytes());
+                out.extend_from_slice(&n.hash().to_le_bytes());
                 out.extend_from_slice(&n.tick.load(Relaxed).to_le_bytes());
-                match n.parent {
+                match n.parent() {
                     ROOT => out.push(0),
                     ORPHAN => {
                         out.push(2);
@@ -70,7 +69,7 @@ impl KvIndex {
                         out.extend_from_slice(&pos[p as usize].to_le_bytes());
                     }
                 }
-                g.arena.list(n.holders, &mut list);
+                g.arena.list(n.holders(), &mut list);
                 out.extend_from_slice(&(list.len() as u32).to_le_bytes());
                 for &(slot, tiers) in &list {
                     out.extend_from_slice(&slot.to_le_bytes());
@@ -112,9 +111,10 @@ impl KvIndex {
                 reg.slot_of.insert(w, s);
             }
             reg.free = (0..reg.ids.len() as u32).filter(|&s| reg.ids[s as usize].is_none()).rev().collect();
-            idx.slot_ids.store(Arc::new(reg.ids.clone()));
+            idx.publish_slot_ids(reg.ids.clone());
         }
-        let nslots = idx.slot_ids.load().len() as u32;
+        let known: Vec<bool> = idx.registry.read().ids.iter().map(Option::is_some).collect();
+        let nslots = known.len() as u32;
         let mut total = 0usize;
         for s in 0..NUM_SHARDS {
             let count = r.u64("node count")? as usize;
@@ -154,7 +154,7 @@ impl KvIndex {
                 for _ in 0..nh {
                     let slot = r.u32("holder slot")?;
                     let tiers = r.u8("holder tiers")?;
-                    if slot >= nslots || idx.slot_ids.load()[slot as usize].is_none() || tiers == 0 || tiers > 7 {
+                    if slot >= nslots || !known[slot as usize] || tiers == 0 || tiers > 7 {
                         return Err(IndexError::Corrupt(format!("bad holder (slot {slot}, tiers {tiers})")));
                     }
                     g.add_holder(i, slot, tiers);
@@ -166,8 +166,9 @@ impl KvIndex {
                 idx.awaiting.lock().entry(p).or_default().push((s as u32, i));
                 idx.awaiting_len.fetch_add(1, Relaxed);
             }
+            g.arena.retire_pending();
             total += g.live;
-            debug_assert!(at.iter().all(|&i| g.node(i).parent != FREE));
+            debug_assert!(at.iter().all(|&i| g.node(i).parent() != FREE));
         }
         if r.pos != data.len() {
             return Err(IndexError::Corrupt(format!("{} trailing bytes", data.len() - r.pos)));

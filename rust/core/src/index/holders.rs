@@ -1,9 +1,15 @@
 //! Per-node worker membership: which workers hold a block, and on which tiers.
 //! One worker is encoded inline in a `u32`; more spill into a per-shard arena of interned bitsets.
 
-use hashbrown::HashTable;
+use std::sync::atomic::{AtomicPtr, Ordering::AcqRel, Ordering::Acquire, Ordering::Release};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
 
-use super::shard::mix;
+use crossbeam_epoch::{self as epoch, Owned};
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use super::shard::{mix, Shared};
 
 /// Storage tier of a cached block (vLLM's and SGLang's `medium`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,6 +62,81 @@ const SLOT_BITS: u32 = 27;
 pub const MAX_WORKERS: u32 = 1 << SLOT_BITS;
 pub(crate) const EMPTY: Holders = 0;
 
+/// A spilled set's words as matches read them: immutable once published.
+pub(crate) struct Set {
+    words: Box<[u64]>,
+}
+
+/// Set index -> published set, read by matches without a lock (`Shared::sets`). The writer
+/// publishes a set when it interns it. When the last block lets go of a set (after the blocks'
+/// new encodings are written), its index is retired: handed out again only through the epoch,
+/// once no reader that may have read an encoding naming it is still pinned; the set stays
+/// published until then (it is replaced, and freed through the epoch, when the index is reused).
+/// So a pinned reader that holds an encoding always finds that encoding's set, never another's.
+pub(crate) struct SetDir {
+    ptrs: Box<[AtomicPtr<Set>]>,
+}
+
+impl SetDir {
+    pub fn with_capacity(n: usize) -> Self {
+        SetDir { ptrs: (0..n).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect() }
+    }
+
+    #[inline]
+    pub fn words(&self, i: u32) -> Option<&[u64]> {
+        let p = self.ptrs.get(i as usize)?.load(Acquire);
+        // SAFETY: a published set is freed only through the epoch after being unpublished, and
+        // `self` is only reachable by a pinned reader or the lock holder.
+        (!p.is_null()).then(|| unsafe { &*(*p).words })
+    }
+
+    /// Frees every published set. Only `Shared`'s drop calls this, when no reader is left.
+    pub(crate) unsafe fn free_sets(&self) {
+        for a in self.ptrs.iter() {
+            let p = a.load(Acquire);
+            if !p.is_null() {
+                drop(Box::from_raw(p));
+            }
+        }
+    }
+}
+
+/// A set pointer handed to the epoch for freeing.
+struct Retired(*mut Set);
+// SAFETY: the set was unpublished and is owned by the deferred function alone.
+unsafe impl Send for Retired {}
+
+/// Word `w` of holders `h`'s bitset on the tiers in `mask`, with spilled set words from `set`
+/// (0 if it has none).
+#[inline]
+pub(crate) fn word_with<'a>(h: Holders, mask: TierMask, w: usize, set: impl FnOnce(u32) -> Option<&'a [u64]>) -> u64 {
+    match tag(h) {
+        0 => 0,
+        TAG_SINGLE => {
+            let (s, t) = single_parts(h);
+            if s as usize / 64 == w && t & mask != 0 {
+                1u64 << (s % 64)
+            } else {
+                0
+            }
+        }
+        _ => {
+            let Some(set) = set(h & !(3 << TAG_SHIFT)) else { return 0 };
+            let stride = set.len() / 3;
+            if w >= stride {
+                return 0;
+            }
+            let mut out = 0;
+            for t in 0..3 {
+                if mask & (1 << t) != 0 {
+                    out |= set[t * stride + w];
+                }
+            }
+            out
+        }
+    }
+}
+
 #[inline]
 fn tag(h: Holders) -> u32 {
     h >> TAG_SHIFT
@@ -88,8 +169,8 @@ pub(crate) struct Added {
 /// do: every block a second worker prefilled holds the same two workers). That is one set per
 /// holder pattern instead of one per block, and a match sees equal encodings on consecutive
 /// blocks, so it skips their intersection and never reads the set again.
-#[derive(Default)]
 pub(crate) struct HolderArena {
+    /// The writer's copy of each set's words (matches read the published copies).
     sets: Vec<Vec<u64>>,
     /// Blocks using each set; 0 for a free set.
     refs: Vec<u32>,
@@ -105,6 +186,19 @@ pub(crate) struct HolderArena {
     /// clears both: a freed index may come back with other content).
     memo_add: Option<Memo>,
     memo_remove: Option<Memo>,
+    shared: Arc<Shared>,
+    /// Sets whose last user let go, to retire once the nodes' new encodings are written.
+    pending: Vec<u32>,
+    /// Set indices whose retirement the epoch has completed, to go back on `free`. A channel,
+    /// not a lock: whichever thread runs the epoch's deferred work (a match, maybe) never waits.
+    reclaimed_tx: Sender<u32>,
+    reclaimed: Mutex<Receiver<u32>>,
+}
+
+impl Default for HolderArena {
+    fn default() -> Self {
+        Self::new(Arc::new(Shared::default()))
+    }
 }
 
 /// A holder change `from` + (slot, tiers) -> `to`, and whether it added or removed an entry.
@@ -129,6 +223,78 @@ fn content_hash(words: &[u64]) -> u64 {
 }
 
 impl HolderArena {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        let (tx, rx) = channel();
+        HolderArena {
+            sets: Vec::new(),
+            refs: Vec::new(),
+            free: Vec::new(),
+            interned: HashTable::new(),
+            scratch: Vec::new(),
+            memo_add: None,
+            memo_remove: None,
+            pending: Vec::new(),
+            shared,
+            reclaimed_tx: tx,
+            reclaimed: Mutex::new(rx),
+        }
+    }
+
+    /// Publishes set `i` (just written to `sets[i]`) for readers.
+    fn publish(&mut self, i: u32) {
+        // SAFETY: only the lock holder (this arena's owner) swaps the directory.
+        let g = unsafe { epoch::unprotected() };
+        let dir = unsafe { self.shared.sets.load(Acquire, g).deref() };
+        let set = Box::into_raw(Box::new(Set { words: self.sets[i as usize].clone().into_boxed_slice() }));
+        if (i as usize) < dir.ptrs.len() {
+            let old = Retired(dir.ptrs[i as usize].swap(set, AcqRel));
+            if !old.0.is_null() {
+                // The set this index named before it was retired: no encoding names it any more
+                // (the epoch's grace passed before the index came back), but free it through the
+                // epoch all the same.
+                epoch::pin().defer(move || {
+                    let old = old;
+                    // SAFETY: replaced above; owned by this deferred function alone.
+                    drop(unsafe { Box::from_raw(old.0) });
+                });
+            }
+            return;
+        }
+        let grown = SetDir::with_capacity((dir.ptrs.len() * 2).max(i as usize + 1).max(16));
+        for (k, p) in dir.ptrs.iter().enumerate() {
+            grown.ptrs[k].store(p.load(Acquire), Release);
+        }
+        grown.ptrs[i as usize].store(set, Release);
+        let guard = epoch::pin();
+        let old = self.shared.sets.swap(Owned::new(grown), AcqRel, &guard);
+        // SAFETY: unlinked just now (its sets live on in the new directory); freed after readers.
+        unsafe { guard.defer_destroy(old) };
+    }
+
+    /// Retires the sets whose last user let go: their indices come back to `free` once no reader
+    /// can still hold an encoding that names them. The caller has written every node's new
+    /// encoding first (a reader pinned after that cannot read the old one).
+    pub fn retire_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let guard = epoch::pin();
+        for i in self.pending.drain(..) {
+            let reclaimed = self.reclaimed_tx.clone();
+            guard.defer(move || {
+                let _ = reclaimed.send(i);
+            });
+        }
+    }
+
+    /// A free set index, taking back those the epoch has released.
+    fn free_index(&mut self) -> Option<u32> {
+        if self.free.is_empty() {
+            self.free.extend(self.reclaimed.get_mut().try_iter());
+        }
+        self.free.pop()
+    }
+
     /// The encoding of the holders in `scratch` (trimmed to its canonical stride), sharing an
     /// interned set when one has the same content.
     fn intern_scratch(&mut self) -> Holders {
@@ -161,7 +327,7 @@ impl HolderArena {
             return (TAG_MANY << TAG_SHIFT) | i;
         }
         let words = scratch.clone();
-        let i = match self.free.pop() {
+        let i = match self.free_index() {
             Some(i) => {
                 self.sets[i as usize] = words;
                 self.refs[i as usize] = 1;
@@ -173,6 +339,7 @@ impl HolderArena {
                 (self.sets.len() - 1) as u32
             }
         };
+        self.publish(i);
         let sets = &self.sets;
         self.interned.insert_unique(hash, i, |&j| content_hash(&sets[j as usize]));
         (TAG_MANY << TAG_SHIFT) | i
@@ -204,7 +371,7 @@ impl HolderArena {
             e.remove();
         }
         self.sets[i as usize] = Vec::new();
-        self.free.push(i);
+        self.pending.push(i);
     }
 
     /// Loads set `i` (or an empty set) into `scratch` with room for `slot`.
@@ -253,8 +420,9 @@ impl HolderArena {
     }
 
     pub fn bytes(&self) -> usize {
-        self.sets.capacity() * std::mem::size_of::<Vec<u64>>()
-            + self.sets.iter().map(|s| s.capacity() * 8).sum::<usize>()
+        // Each set twice (the writer's words and the published copy) plus the directory.
+        self.sets.capacity() * (std::mem::size_of::<Vec<u64>>() + 8)
+            + self.sets.iter().filter(|s| !s.is_empty()).map(|s| s.len() * 16 + 16).sum::<usize>()
             + self.refs.capacity() * 4
             + self.free.capacity() * 4
             + self.interned.capacity() * 5
@@ -354,33 +522,9 @@ impl HolderArena {
     }
 
     /// Word `w` of the bitset of workers holding the block on any tier in `mask`.
-    #[inline]
+    #[cfg(test)]
     pub fn word(&self, h: Holders, mask: TierMask, w: usize) -> u64 {
-        match tag(h) {
-            0 => 0,
-            TAG_SINGLE => {
-                let (s, t) = single_parts(h);
-                if s as usize / 64 == w && t & mask != 0 {
-                    1u64 << (s % 64)
-                } else {
-                    0
-                }
-            }
-            _ => {
-                let set = &self.sets[(h & !(3 << TAG_SHIFT)) as usize];
-                let stride = set.len() / 3;
-                if w >= stride {
-                    return 0;
-                }
-                let mut out = 0;
-                for t in 0..3 {
-                    if mask & (1 << t) != 0 {
-                        out |= set[t * stride + w];
-                    }
-                }
-                out
-            }
-        }
+        word_with(h, mask, w, |i| self.sets.get(i as usize).map(Vec::as_slice))
     }
 
     /// Tiers on which `slot` holds the block.

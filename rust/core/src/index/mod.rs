@@ -1,10 +1,19 @@
 //! The KV prefix index: which workers hold which blocks, keyed by chained sequence hashes.
-//! Concurrent: prefix matches read one shard under a shared lock while events write others.
+//! Concurrent: prefix matches take no lock at all and never wait for a writer, even one that is
+//! descheduled mid-store; writers lock one shard at a time.
 //!
 //! Layout. The tree is a forest: every chain starts at a block-0 hash (a root), and the whole
-//! chain lives in the shard its root hashes to. A match therefore takes one read lock and walks
-//! a flat hash table (sequence hashes identify their whole prefix, so a flat table plus a parent
-//! check is a radix tree without the pointer chasing). Writers lock one shard at a time.
+//! chain lives in the shard its root hashes to. A match therefore walks one shard's flat hash
+//! table (sequence hashes identify their whole prefix, so a flat table plus a parent check is a
+//! radix tree without the pointer chasing).
+//!
+//! Lock-free reads. Everything a match reads is atomics in memory that stays valid while it is
+//! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, replaced
+//! whole when it grows), the slot -> worker-id table, and holder sets and worker slots whose
+//! indices are reused only after the epoch's grace. Writers order their stores so that a
+//! reader's checks (a node's holders and parent, one load, then its hash) can only accept what
+//! some state of the block held; a walk that races a writer may stop short (a block being
+//! removed or moved), never report more.
 //!
 //! Eviction. With `max_nodes`, a write that leaves more than `max_nodes` nodes evicts down to
 //! 90% of it: least recently stored-or-matched leaves first (a node is a leaf when no stored
@@ -16,19 +25,19 @@ mod holders;
 mod removals;
 mod shard;
 mod slab;
+mod table;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
-use hashbrown::{HashMap, HashTable};
+use hashbrown::HashMap;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
 pub use removals::{Removal, Since};
-use shard::{mix, Shard, FREE, ORPHAN, ROOT};
+use shard::{mix, Shard, Shared, FREE, ORPHAN, ROOT};
 
 /// Number of shards; a power of two.
 pub const NUM_SHARDS: usize = 16;
@@ -76,8 +85,19 @@ struct Registry {
     free: Vec<u32>,
 }
 
+/// A shard: its writer state behind a lock, and what matches read without one.
 #[repr(align(128))]
-struct PaddedShard(RwLock<Shard>);
+struct PaddedShard {
+    lock: RwLock<Shard>,
+    shared: Arc<Shared>,
+}
+
+impl PaddedShard {
+    fn new() -> Self {
+        let shard = Shard::default();
+        PaddedShard { shared: shard.shared.clone(), lock: RwLock::new(shard) }
+    }
+}
 
 /// Per-worker depth of a prefix match.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -108,8 +128,13 @@ pub struct MatchScratch {
 pub struct KvIndex {
     shards: Box<[PaddedShard]>,
     registry: RwLock<Registry>,
+    /// Worker slots freed by `remove_worker` whose epoch grace has passed, for reuse: a match
+    /// pinned while a slot was cleared must not name the slot's next worker. (A channel: the
+    /// thread that runs the epoch's deferred work, maybe a match, never waits on a lock.)
+    released_tx: std::sync::mpsc::Sender<u32>,
+    released_rx: Mutex<std::sync::mpsc::Receiver<u32>>,
     /// Slot -> worker id, read without locks by matches.
-    slot_ids: ArcSwap<Vec<Option<WorkerId>>>,
+    slot_ids: crossbeam_epoch::Atomic<Vec<Option<WorkerId>>>,
     /// Recency clock: +1 per store call; ticks are halved before it can wrap.
     clock: AtomicU32,
     nodes: AtomicUsize,
@@ -130,16 +155,15 @@ pub struct KvIndex {
 }
 
 const HINT_SLOTS: usize = 1 << 14;
-/// A store yields its shard to waiting matches every this many blocks.
+/// A store releases its shard every this many blocks, so other writers and the lock-taking reads
+/// (a store's parent lookup, stats) are not held up long behind it. (Matches take no lock.)
 const YIELD_EVERY: usize = 16;
-/// How long a writer spins for readers to leave before it parks (~10-20 us).
+/// How long a writer spins for the lock's other holders to leave before it parks (~10-20 us).
 const WRITER_SPINS: u32 = 4096;
-/// How long a match spins for a writer to finish before it parks (~20-40 us).
-const READER_SPINS: u32 = 8192;
 
-/// Upgrades to write access, spinning while readers finish. A parked writer makes parking_lot
-/// block new readers until the writer has been woken and is done: tens of microseconds of
-/// stall for every match on the shard; matches are short, so spinning costs less.
+/// Upgrades to write access, spinning while the lock's readers (parent lookups, stats; never
+/// matches) finish: they are short, and a parked writer makes parking_lot hold new ones back
+/// until it has been woken and is done.
 fn upgrade_spinning(mut ug: RwLockUpgradableReadGuard<'_, Shard>) -> RwLockWriteGuard<'_, Shard> {
     for _ in 0..WRITER_SPINS {
         match RwLockUpgradableReadGuard::try_upgrade(ug) {
@@ -164,12 +188,6 @@ fn spin_then<G>(spins: u32, mut attempt: impl FnMut() -> Option<G>, block: impl 
     block()
 }
 
-/// Read access to a shard, spinning first: writers hold a shard for a few microseconds at a time,
-/// far less than a park and wake-up round trip costs on a loaded host.
-fn read_spinning(lock: &RwLock<Shard>) -> RwLockReadGuard<'_, Shard> {
-    spin_then(READER_SPINS, || lock.try_read(), || lock.read())
-}
-
 /// Write access to a shard, spinning first (see `upgrade_spinning`).
 fn write_spinning(lock: &RwLock<Shard>) -> RwLockWriteGuard<'_, Shard> {
     spin_then(WRITER_SPINS, || lock.try_write(), || lock.write())
@@ -190,10 +208,13 @@ impl Default for KvIndex {
 impl KvIndex {
     /// An empty index; `max_nodes` caps the number of distinct blocks (see the module docs).
     pub fn new(max_nodes: Option<usize>) -> Self {
+        let released = std::sync::mpsc::channel();
         KvIndex {
-            shards: (0..NUM_SHARDS).map(|_| PaddedShard(RwLock::new(Shard::default()))).collect(),
+            shards: (0..NUM_SHARDS).map(|_| PaddedShard::new()).collect(),
             registry: RwLock::new(Registry::default()),
-            slot_ids: ArcSwap::from_pointee(Vec::new()),
+            released_tx: released.0,
+            released_rx: Mutex::new(released.1),
+            slot_ids: crossbeam_epoch::Atomic::new(Vec::new()),
             clock: AtomicU32::new(1),
             nodes: AtomicUsize::new(0),
             max_nodes,
@@ -213,7 +234,7 @@ impl KvIndex {
     }
 
     fn shard(&self, s: usize) -> &RwLock<Shard> {
-        &self.shards[s].0
+        &self.shards[s].lock
     }
 
     // ---- worker registry -------------------------------------------------------------
@@ -230,6 +251,10 @@ impl KvIndex {
         let slot = match w.slot_of.get(&worker) {
             Some(&s) => s,
             None => {
+                if w.free.is_empty() {
+                    // (Under the registry's write lock: nobody else receives.)
+                    w.free.extend(self.released_rx.lock().try_iter());
+                }
                 let s = match w.free.pop() {
                     Some(s) => s,
                     None if w.ids.len() >= MAX_WORKERS as usize => return Err(IndexError::TooManyWorkers(MAX_WORKERS)),
@@ -240,7 +265,7 @@ impl KvIndex {
                 };
                 w.ids[s as usize] = Some(worker);
                 w.slot_of.insert(worker, s);
-                self.slot_ids.store(Arc::new(w.ids.clone()));
+                self.publish_slot_ids(w.ids.clone());
                 s
             }
         };
@@ -253,9 +278,25 @@ impl KvIndex {
         Some((r, s))
     }
 
+    /// Publishes a new slot -> worker-id table (under the registry's write lock); the old one is
+    /// freed once no pinned match can hold it.
+    fn publish_slot_ids(&self, ids: Vec<Option<WorkerId>>) {
+        let guard = crossbeam_epoch::pin();
+        let old = self.slot_ids.swap(crossbeam_epoch::Owned::new(ids), std::sync::atomic::Ordering::AcqRel, &guard);
+        // SAFETY: unlinked just now; pinned readers that loaded it keep it alive until they unpin.
+        unsafe { guard.defer_destroy(old) };
+    }
+
+    /// The slot -> worker-id table as published, valid while `guard` is pinned.
+    fn slot_ids_in<'g>(&self, guard: &'g crossbeam_epoch::Guard) -> &'g [Option<WorkerId>] {
+        // SAFETY: never null; replaced tables are freed through the epoch after `guard` unpins.
+        unsafe { self.slot_ids.load(std::sync::atomic::Ordering::Acquire, guard).deref() }
+    }
+
     /// Registered workers, in registration-slot order.
     pub fn workers(&self) -> Vec<WorkerId> {
-        self.slot_ids.load().iter().flatten().copied().collect()
+        let guard = crossbeam_epoch::pin();
+        self.slot_ids_in(&guard).iter().flatten().copied().collect()
     }
 
     // ---- writes ----------------------------------------------------------------------
@@ -274,22 +315,25 @@ impl KvIndex {
     }
 
     /// Write access to shard `s` with table room for `n` more nodes. When the table must grow,
-    /// the bigger copy is built under an upgradable (shared) lock and swapped in, so readers are
-    /// never stalled behind a rehash of the whole shard, only behind the swap.
-    /// The table it replaced, if any, comes back for the caller to free once the lock is released.
-    fn write_with_room(&self, s: usize, n: usize) -> (RwLockWriteGuard<'_, Shard>, Option<HashTable<u32>>) {
+    /// the bigger copy is built under an upgradable (shared) lock, so other lock holders (stores'
+    /// parent lookups, stats) are not stalled behind a rehash of the whole shard; matches never
+    /// wait for it in any case (they read the published table). New slab chunks are written there
+    /// too, so their page faults are not taken with the shard held.
+    fn write_with_room(&self, s: usize, n: usize) -> RwLockWriteGuard<'_, Shard> {
         let ug = self.shard(s).upgradable_read();
         if ug.table_room() >= n && ug.slab_room() >= n {
-            return (upgrade_spinning(ug), None);
+            return upgrade_spinning(ug);
         }
         let grown = (ug.table_room() < n).then(|| ug.grown_table(n));
-        let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::<shard::Node>::prefaulted_chunks(n));
+        let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::fresh_chunks(n));
         let mut g = upgrade_spinning(ug);
-        let old = grown.map(|t| g.set_table(t));
+        if let Some(t) = grown {
+            g.set_table(t);
+        }
         if let Some(c) = chunks {
             g.nodes.add_chunks(c);
         }
-        (g, old)
+        g
     }
 
     /// Finds the shard holding node `h`, preferring one where `slot` holds it.
@@ -305,7 +349,7 @@ impl KvIndex {
             let g = self.shard(s).read();
             if let Some(i) = g.find(h) {
                 match slot {
-                    Some(sl) if g.arena.tiers(g.node(i).holders, sl) == 0 => {
+                    Some(sl) if g.arena.tiers(g.node(i).holders(), sl) == 0 => {
                         fallback.get_or_insert(s);
                     }
                     _ => return Some(s),
@@ -332,18 +376,18 @@ impl KvIndex {
         let room = hashes.len();
         let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.write_with_room(s, room)));
         // (The parent is looked up once, under the lock that the store then keeps.)
-        let (s, (mut g, retired), found) = match (parent, hinted) {
+        let (s, mut g, found) = match (parent, hinted) {
             (None, _) => {
                 let s = root_shard(hashes[0]);
                 (s, self.write_with_room(s, room), None)
             }
-            (Some(p), hinted) => match hinted.and_then(|(s, held)| held.0.find(p).map(|i| (s, held, i))) {
+            (Some(p), hinted) => match hinted.and_then(|(s, held)| held.find(p).map(|i| (s, held, i))) {
                 Some((s, held, i)) => (s, held, Some(i)),
                 None => {
                     // (A hinted shard without the parent was unlocked when `and_then` dropped it.)
                     let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
                     let held = self.write_with_room(s, room);
-                    let i = held.0.find(p);
+                    let i = held.find(p);
                     (s, held, i)
                 }
             },
@@ -352,7 +396,7 @@ impl KvIndex {
         let mut prev = match (parent_hash, found) {
             (None, _) => ROOT,
             (Some(_), Some(i)) => {
-                if g.arena.tiers(g.node(i).holders, slot) == 0 {
+                if g.arena.tiers(g.node(i).holders(), slot) == 0 {
                     self.counters.orphan_stores.fetch_add(1, Relaxed);
                 }
                 i
@@ -374,13 +418,13 @@ impl KvIndex {
         let mut k = 0;
         while k < hashes.len() {
             if k % YIELD_EVERY == 0 && k > 0 {
-                // Let matches in every few blocks, so a long store never holds them up for long
-                // (they spin rather than park, so an unconditional release is what lets them in);
-                // then make sure the block we chain under is still there.
+                // Let other writers in every few blocks, so a long store never holds them up for
+                // long; then make sure the block we chain under is still there.
+                g.arena.retire_pending();
                 drop(g);
                 g = write_spinning(self.shard(s));
                 if let (true, Some(ph)) = (prev < FREE, prev_hash) {
-                    if !(g.is_live(prev) && g.node(prev).hash == ph) {
+                    if !(g.is_live(prev) && g.node(prev).hash() == ph) {
                         prev = g.find(ph).unwrap_or(ORPHAN);
                         if prev == ORPHAN {
                             orphan_of = Some(ph);
@@ -421,7 +465,7 @@ impl KvIndex {
             guess = i.wrapping_add(1);
             let i = match fresh {
                 false => {
-                    if g.node(i).parent != prev && !(prev == ORPHAN && g.node(i).parent == ORPHAN) {
+                    if g.node(i).parent() != prev && !(prev == ORPHAN && g.node(i).parent() == ORPHAN) {
                         self.counters.parent_mismatches.fetch_add(1, Relaxed);
                     }
                     g.node(i).tick.store(tick, Relaxed);
@@ -453,8 +497,10 @@ impl KvIndex {
             prev = i;
             prev_hash = Some(h);
         }
+        g.arena.retire_pending();
         drop(g);
-        drop(retired);
+        // A table this shard outgrew is freed here, by the writer, once no match can hold it.
+        self.shards[s].shared.free_retired_tables();
         self.nodes.fetch_add(created, Relaxed);
         self.remember_shard(*hashes.last().unwrap(), s);
         if !linked.is_empty() {
@@ -496,7 +542,7 @@ impl KvIndex {
         aw.retain(|&p, list| {
             list.retain(|&(s, i)| {
                 let g = self.shard(s as usize).read();
-                g.is_live(i) && g.node(i).parent == ORPHAN && g.orphan_parent.get(&i) == Some(&p)
+                g.is_live(i) && g.node(i).parent() == ORPHAN && g.orphan_parent.get(&i) == Some(&p)
             });
             !list.is_empty()
         });
@@ -523,10 +569,10 @@ impl KvIndex {
             if os == s {
                 let mut g = self.shard(s).write();
                 let Some(pi) = g.find(h) else { continue };
-                if g.is_live(oi) && g.node(oi).parent == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
+                if g.is_live(oi) && g.node(oi).parent() == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
                     g.orphan_parent.remove(&oi);
-                    g.nodes[oi as usize].parent = pi;
-                    g.nodes[pi as usize].children += 1;
+                    g.nodes[oi as usize].set_parent(pi);
+                    g.nodes[pi as usize].set_children(g.nodes[pi as usize].children() + 1);
                 }
             } else {
                 self.migrate_orphan(os, oi, s, h);
@@ -540,7 +586,7 @@ impl KvIndex {
         let mut glo = self.shard(lo).write();
         let mut ghi = self.shard(hi).write();
         let (src, dst) = if from == lo { (&mut *glo, &mut *ghi) } else { (&mut *ghi, &mut *glo) };
-        if !src.is_live(oi) || src.node(oi).parent != ORPHAN || src.orphan_parent.get(&oi) != Some(&parent) {
+        if !src.is_live(oi) || src.node(oi).parent() != ORPHAN || src.orphan_parent.get(&oi) != Some(&parent) {
             return;
         }
         let Some(pi) = dst.find(parent) else { return };
@@ -549,7 +595,7 @@ impl KvIndex {
         let mut inside = vec![false; src.nodes.len()];
         let mut sub = Vec::new();
         for i in order {
-            let p = src.node(i).parent;
+            let p = src.node(i).parent();
             if i == oi || (p < FREE && inside[p as usize]) {
                 inside[i as usize] = true;
                 sub.push(i);
@@ -560,8 +606,8 @@ impl KvIndex {
         let mut moved_nodes = 0isize;
         for &i in &sub {
             let n = src.node(i);
-            let (h, tick) = (n.hash, n.tick.load(Relaxed));
-            let new_parent = if i == oi { pi } else { map[&n.parent] };
+            let (h, tick) = (n.hash(), n.tick.load(Relaxed));
+            let new_parent = if i == oi { pi } else { map[&n.parent()] };
             let j = match dst.find(h) {
                 Some(j) => j,
                 None => match dst.create(h, new_parent, tick) {
@@ -573,7 +619,7 @@ impl KvIndex {
                 },
             };
             map.insert(i, j);
-            src.arena.list(src.node(i).holders, &mut list);
+            src.arena.list(src.node(i).holders(), &mut list);
             for &(slot, tiers) in &list {
                 dst.add_holder(j, slot, tiers);
             }
@@ -585,6 +631,7 @@ impl KvIndex {
                 moved_nodes -= 1;
             }
         }
+        dst.arena.retire_pending();
         self.nodes.fetch_add(moved_nodes.max(0) as usize, Relaxed);
         self.nodes.fetch_sub((-moved_nodes).max(0) as usize, Relaxed);
     }
@@ -610,7 +657,7 @@ impl KvIndex {
             if let Some(s) = last {
                 let mut g = write_spinning(self.shard(s));
                 if let Some(i) = g.find(h) {
-                    if g.arena.tiers(g.node(i).holders, slot) != 0 {
+                    if g.arena.tiers(g.node(i).holders(), slot) != 0 {
                         let (gone, d) = g.remove_holder(i, slot, tiers);
                         removed += gone as usize;
                         deleted += d;
@@ -624,7 +671,7 @@ impl KvIndex {
             let found = self.locate(h, Some(slot), None).and_then(|s| {
                 let mut g = write_spinning(self.shard(s));
                 let i = g.find(h)?;
-                if g.arena.tiers(g.node(i).holders, slot) == 0 {
+                if g.arena.tiers(g.node(i).holders(), slot) == 0 {
                     return None;
                 }
                 let (gone, d) = g.remove_holder(i, slot, tiers);
@@ -678,8 +725,14 @@ impl KvIndex {
         let Some(slot) = reg.slot_of.remove(&worker) else { return 0 };
         let entries = self.clear_slot(slot);
         reg.ids[slot as usize] = None;
-        reg.free.push(slot);
-        self.slot_ids.store(Arc::new(reg.ids.clone()));
+        self.publish_slot_ids(reg.ids.clone());
+        // The slot is reused only once no match that may have read it before the clear is
+        // still pinned: such a match names it by the `slot_ids` it loads, which then says this
+        // worker or no one, never the slot's next worker.
+        let released = self.released_tx.clone();
+        crossbeam_epoch::pin().defer(move || {
+            let _ = released.send(slot);
+        });
         entries
     }
 
@@ -725,66 +778,73 @@ impl KvIndex {
         out.workers.clear();
         out.depths.clear();
         let Some(&h0) = hashes.first() else { return };
-        let g = read_spinning(self.shard(root_shard(h0)));
-        let ids = self.slot_ids.load();
-        let nw = ids.len().div_ceil(64).max(1);
+        // No lock: the walk reads the shard as published (see `shard::View`), pinned so that
+        // nothing it reads is freed or reused under it. A writer in this shard, running or
+        // descheduled, never holds it up.
+        let guard = crossbeam_epoch::pin();
+        let g = self.shards[root_shard(h0)].shared.view(&guard);
         let clock = self.clock.load(Relaxed);
         let MatchScratch { alive, slots } = scratch;
-        alive.clear();
-        alive.resize(nw, 0);
         slots.clear();
         let mut prev = ROOT;
+        let mut prev_hash = 0u64;
         let mut guess = u32::MAX;
         let mut depth = 0u32;
+        let mut nw = 0usize;
         // Consecutive blocks usually have the very same holders (one encoding, or one spilled set):
         // then the set of workers still matching cannot change and the intersection is skipped.
         let mut last_holders = None;
         let mut d = 0usize;
         while d < hashes.len() {
             let h = hashes[d];
-            let Some(i) = g.find_child(h, prev, guess) else { break };
-            let node = g.node(i);
-            if last_holders == Some(node.holders) {
-                g.touch(i, clock);
-                // Then along the run after it, as long as the holders stay the same.
-                let run = g.follow_run(i, &hashes[d + 1..], node.holders, clock);
-                prev = i + run as u32;
-                guess = prev.wrapping_add(1);
-                d += 1 + run;
-                depth = d as u32;
-                continue;
-            }
-            last_holders = Some(node.holders);
-            let mut any = 0u64;
-            for (w, a) in alive.iter_mut().enumerate() {
-                let held = g.arena.word(node.holders, mask, w);
-                let next = if d == 0 { held } else { *a & held };
-                let mut dropped = *a & !next;
-                while dropped != 0 {
-                    slots.push((w as u32 * 64 + dropped.trailing_zeros(), d as u32));
-                    dropped &= dropped - 1;
+            let Some((i, hold)) = g.find_child(h, prev, prev_hash, guess) else { break };
+            if last_holders != Some(hold) {
+                if d == 0 {
+                    // Words of the bitset: as many as the highest slot needs (a worker registered
+                    // after this match began can only be in blocks it stored since, and is named
+                    // by the `slot_ids` loaded below or not at all).
+                    nw = self.slot_ids_in(&guard).len().div_ceil(64).max(1);
+                    alive.clear();
+                    alive.resize(nw, 0);
                 }
-                *a = next;
-                any |= next;
-            }
-            if any == 0 {
-                break;
+                last_holders = Some(hold);
+                let mut any = 0u64;
+                for (w, a) in alive.iter_mut().enumerate() {
+                    let held = g.word(hold, mask, w);
+                    let next = if d == 0 { held } else { *a & held };
+                    let mut dropped = *a & !next;
+                    while dropped != 0 {
+                        slots.push((w as u32 * 64 + dropped.trailing_zeros(), d as u32));
+                        dropped &= dropped - 1;
+                    }
+                    *a = next;
+                    any |= next;
+                }
+                if any == 0 {
+                    break;
+                }
             }
             g.touch(i, clock);
-            let run = g.follow_run(i, &hashes[d + 1..], node.holders, clock);
+            // Then along the run after it, as long as the holders stay the same.
+            let run = g.follow_run(i, &hashes[d + 1..], hold, clock);
             prev = i + run as u32;
+            prev_hash = hashes[d + run];
             guess = prev.wrapping_add(1);
             d += 1 + run;
             depth = d as u32;
         }
-        for (w, &a) in alive.iter().enumerate() {
-            let mut bits = a;
-            while bits != 0 {
-                slots.push((w as u32 * 64 + bits.trailing_zeros(), depth));
-                bits &= bits - 1;
+        if nw > 0 {
+            for (w, &a) in alive.iter().enumerate() {
+                let mut bits = a;
+                while bits != 0 {
+                    slots.push((w as u32 * 64 + bits.trailing_zeros(), depth));
+                    bits &= bits - 1;
+                }
             }
         }
-        drop(g);
+        // Loaded after the walk, still pinned: a slot read above names its worker, or no one
+        // if the worker was removed meanwhile (slots are reused only after the epoch's grace).
+        let ids = self.slot_ids_in(&guard);
         for &(slot, d) in slots.iter() {
             if d == 0 {
                 continue;
@@ -861,7 +921,7 @@ impl KvIndex {
         for s in 0..NUM_SHARDS {
             let g = self.shard(s).read();
             for (i, n) in g.nodes.iter().enumerate() {
-                if n.parent != FREE && n.children == 0 {
+                if n.parent() != FREE && n.children() == 0 {
                     heap.push(Reverse((n.tick.load(Relaxed), s as u32, i as u32)));
                 }
             }
@@ -870,7 +930,7 @@ impl KvIndex {
         while self.nodes.load(Relaxed) > target {
             let Some(Reverse((tick, s, i))) = heap.pop() else { break };
             let mut g = write_spinning(self.shard(s as usize));
-            if !g.is_live(i) || g.node(i).children != 0 {
+            if !g.is_live(i) || g.node(i).children() != 0 {
                 continue;
             }
             let now = g.node(i).tick.load(Relaxed);
@@ -883,8 +943,8 @@ impl KvIndex {
             evicted += 1;
             if parent < FREE {
                 let p = g.node(parent);
-                if p.children == 0 {
-                    if holders::is_empty(p.holders) {
+                if p.children() == 0 {
+                    if holders::is_empty(p.holders()) {
                         let d = g.prune(parent);
                         self.nodes.fetch_sub(d, Relaxed);
                     } else {

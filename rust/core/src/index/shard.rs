@@ -1,13 +1,19 @@
 //! One shard of the index: a slab of nodes keyed by sequence hash, holding every chain whose
 //! first block hashes to this shard, so a prefix match reads exactly one shard.
 
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+use std::sync::Arc;
 
-use hashbrown::HashTable;
+use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::{channel, Receiver, Sender};
 
-use super::holders::{self, HolderArena, Holders, TierMask};
-use super::slab::Slab;
+use parking_lot::Mutex;
 
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
+
+use super::holders::{self, HolderArena, Holders, SetDir, TierMask};
+use super::slab::{ChunkDir, Slab};
+use super::table::{self, Table};
 /// `Node::parent` of a block 0 (a root of the tree).
 pub(crate) const ROOT: u32 = u32::MAX;
 /// `Node::parent` of a chain stored under a parent the index has never seen.
@@ -34,93 +40,248 @@ pub(crate) fn mix(h: u64) -> u64 {
     (r as u64) ^ ((r >> 64) as u64)
 }
 
-/// One block: 24 bytes.
+/// One block: 24 bytes. Every field is an atomic, so that matches read nodes without the shard
+/// lock while its writer changes them. Holders and parent share one `AtomicU64` (`hp`: holders in
+/// the low half, parent in the high half), so a reader gets both in one load. The writer fills a
+/// slot hash first, then tick and child count, then `hp` (release); it frees a slot by storing
+/// (no holders, `FREE`) in `hp`. A reader that loads `hp` (acquire) and then the hash, and finds
+/// hash and parent as it expects, has the holders of that very block: a slot freed and refilled
+/// under it shows the new hash to whoever saw the new `hp` (see `View::is_child`).
 pub(crate) struct Node {
-    pub hash: u64,
-    /// Encoded holders (see `holders`).
-    pub holders: Holders,
+    hash: AtomicU64,
+    /// Encoded holders (see `holders`) | parent index (or `ROOT` / `ORPHAN` / `FREE`) << 32.
+    hp: AtomicU64,
     /// Recency for eviction: the index clock when last stored or matched.
     pub tick: AtomicU32,
-    /// Index of the parent node in this shard, or `ROOT` / `ORPHAN` / `FREE`.
+    kids: AtomicU32,
+}
+
+#[inline]
+pub(crate) fn pack(holders: Holders, parent: u32) -> u64 {
+    holders as u64 | (parent as u64) << 32
+}
+
+#[inline]
+pub(crate) fn unpack(hp: u64) -> (Holders, u32) {
+    (hp as u32, (hp >> 32) as u32)
+}
+
+/// A node's fields as plain values, for writing a slot in one go.
+#[derive(Clone, Copy)]
+pub(crate) struct NodeVal {
+    pub hash: u64,
+    pub holders: Holders,
+    pub tick: u32,
     pub parent: u32,
     pub children: u32,
 }
 
-fn is_reserved(nodes: &Slab<Node>, i: usize) -> bool {
-    nodes.get(i).is_some_and(|n| n.parent == FREE && n.children == RESERVED)
+impl NodeVal {
+    fn placeholder() -> Self {
+        NodeVal { hash: 0, holders: holders::EMPTY, tick: 0, parent: FREE, children: 0 }
+    }
 }
 
-/// The slot right after `p` if it is reserved for `p`'s run or is the slab's end (then pushed,
-/// as a free placeholder the caller overwrites): where `p`'s first child goes without a move.
-fn take_after(nodes: &mut Slab<Node>, p: u32) -> Option<u32> {
-    let after = p as usize + 1;
-    if is_reserved(nodes, after) {
-        nodes[after].children = 0;
-        return Some(after as u32);
+impl Node {
+    pub fn free() -> Node {
+        Node { hash: AtomicU64::new(0), hp: AtomicU64::new(pack(holders::EMPTY, FREE)), tick: AtomicU32::new(0), kids: AtomicU32::new(0) }
     }
-    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
-        nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
-        return Some(after as u32);
+    #[inline]
+    pub fn hash(&self) -> u64 {
+        self.hash.load(Acquire)
     }
-    None
+    /// (holders, parent) in one load.
+    #[inline]
+    pub fn hp(&self) -> u64 {
+        self.hp.load(Acquire)
+    }
+    #[inline]
+    pub fn holders(&self) -> Holders {
+        self.hp() as u32
+    }
+    #[inline]
+    pub fn parent(&self) -> u32 {
+        (self.hp() >> 32) as u32
+    }
+    #[inline]
+    pub fn children(&self) -> u32 {
+        self.kids.load(Relaxed)
+    }
+    /// Writer only (the one writer changes `hp`, so load-then-store loses nothing).
+    #[inline]
+    pub fn set_holders(&self, h: Holders) {
+        let (_, p) = unpack(self.hp.load(Relaxed));
+        self.hp.store(pack(h, p), Release);
+    }
+    /// Writer only.
+    #[inline]
+    pub fn set_parent(&self, p: u32) {
+        let (h, _) = unpack(self.hp.load(Relaxed));
+        self.hp.store(pack(h, p), Release);
+    }
+    #[inline]
+    pub fn set_children(&self, c: u32) {
+        self.kids.store(c, Relaxed);
+    }
+    pub fn val(&self) -> NodeVal {
+        let (holders, parent) = unpack(self.hp());
+        NodeVal { hash: self.hash(), holders, tick: self.tick.load(Relaxed), parent, children: self.children() }
+    }
+    /// Writes a slot (see the type's docs for the order).
+    #[inline]
+    pub fn fill(&self, v: NodeVal) {
+        self.hash.store(v.hash, Relaxed);
+        self.tick.store(v.tick, Relaxed);
+        self.kids.store(v.children, Relaxed);
+        self.hp.store(pack(v.holders, v.parent), Release);
+    }
+    /// Marks a slot free (its hash stays until it is filled again).
+    #[inline]
+    pub fn clear(&self) {
+        self.hp.store(pack(holders::EMPTY, FREE), Release);
+        self.kids.store(0, Relaxed);
+    }
 }
 
-/// Puts `node` in the slot right after `p` if that slot is reserved for `p`'s run or is the
-/// slab's end: where `p`'s first child goes without a move. Gives the node back otherwise.
-#[inline]
-fn put_after(nodes: &mut Slab<Node>, p: u32, node: Node) -> Result<u32, Node> {
-    let after = p as usize + 1;
-    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
-        nodes.push(node);
-        return Ok(after as u32);
-    }
-    if is_reserved(nodes, after) {
-        nodes[after] = node;
-        return Ok(after as u32);
-    }
-    Err(node)
+/// What matches read without a lock, shared by a shard's writer and its readers: the published
+/// chunk list, hash table and holder sets. Each is swapped only by the writer (under the shard
+/// lock), and what it replaces is freed through the epoch once no pinned reader can hold it.
+/// A replaced table is megabytes, and freeing it (unmapping) takes long enough to show in a match's
+/// latency, so it is not freed by whichever thread runs the epoch's deferred work (a match, as
+/// often as not): that work only passes it to `graveyard`, and the writer frees it in
+/// `free_retired_tables`, after its store. `retired_tables` counts those not yet freed; stores push
+/// the epoch along while there are any, so the memory comes back within a few stores.
+pub(crate) struct Shared {
+    pub chunks: Atomic<ChunkDir>,
+    pub table: Atomic<Table>,
+    pub sets: Atomic<SetDir>,
+    pub retired_tables: Arc<AtomicUsize>,
+    graveyard_tx: Sender<RetiredTable>,
+    graveyard: Mutex<Receiver<RetiredTable>>,
 }
 
-#[derive(Default)]
-pub(crate) struct Shard {
-    pub nodes: Slab<Node>,
-    free: Vec<u32>,
-    /// Node indices by mixed hash. (Storing half the hash beside each index would spare rehashes
-    /// from reading nodes: ~18% faster builds, but +4 bytes per entry; memory won.)
-    table: HashTable<u32>,
-    pub arena: HolderArena,
-    /// Blocks held per worker slot in this shard.
-    pub counts: Vec<u64>,
-    /// (block, worker) entries in this shard.
-    pub entries: u64,
-    pub live: usize,
-    /// Parent hash of each orphan root, by node index.
-    pub orphan_parent: hashbrown::HashMap<u32, u64>,
+impl Default for Shared {
+    fn default() -> Self {
+        let (graveyard_tx, graveyard) = channel();
+        Shared {
+            graveyard_tx,
+            graveyard: Mutex::new(graveyard),
+            chunks: Atomic::new(ChunkDir::empty()),
+            table: Atomic::new(Table::with_buckets(table::buckets_for(0))),
+            retired_tables: Default::default(),
+            sets: Atomic::new(SetDir::with_capacity(0)),
+        }
+    }
 }
 
-impl Shard {
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: the last owner is going away, so no reader or writer can reach these any more;
+        // what was replaced earlier was handed to the epoch and is not reachable from here.
+        unsafe {
+            let g = epoch::unprotected();
+            let chunks = self.chunks.load(Relaxed, g);
+            chunks.deref().free_chunks();
+            drop(chunks.into_owned());
+            drop(self.table.load(Relaxed, g).into_owned());
+            let sets = self.sets.load(Relaxed, g);
+            sets.deref().free_sets();
+            drop(sets.into_owned());
+        }
+    }
+}
+
+impl Shared {
+    /// Writer side, after a store: pushes the epoch along and frees the tables this shard retired
+    /// that no match can hold any more.
+    pub fn free_retired_tables(&self) {
+        if self.retired_tables.load(Relaxed) == 0 {
+            return;
+        }
+        epoch::pin().flush();
+        if let Some(rx) = self.graveyard.try_lock() {
+            for t in rx.try_iter() {
+                drop(t);
+                self.retired_tables.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+
+    /// The shard as a pinned reader sees it.
+    #[inline]
+    pub fn view<'g>(&self, guard: &'g Guard) -> View<'g> {
+        // SAFETY: never null (set at construction, only ever swapped for another), and `guard`
+        // keeps what was loaded alive.
+        unsafe {
+            View {
+                chunks: self.chunks.load(Acquire, guard).deref(),
+                table: self.table.load(Acquire, guard).deref(),
+                sets: self.sets.load(Acquire, guard).deref(),
+            }
+        }
+    }
+}
+
+/// A replaced table on its way to being freed (when this is dropped).
+struct RetiredTable(*mut Table);
+// SAFETY: unlinked from `Shared::table`; owned by whoever holds this.
+unsafe impl Send for RetiredTable {}
+
+impl Drop for RetiredTable {
+    fn drop(&mut self) {
+        // SAFETY: made from the `Box` behind an `Owned` that was unlinked, and owned only here;
+        // it is dropped once the epoch's grace has passed (or with the index).
+        drop(unsafe { Box::from_raw(self.0) });
+    }
+}
+
+/// A consistent-enough look at one shard for a walk: the chunk list, table and holder sets as
+/// published when it was taken. Nodes are read with the ordering described at `Node`.
+pub(crate) struct View<'g> {
+    chunks: &'g ChunkDir,
+    table: &'g Table,
+    pub sets: &'g SetDir,
+}
+
+impl<'g> View<'g> {
+    #[inline]
+    pub fn node(&self, i: u32) -> Option<&'g Node> {
+        self.chunks.get(i as usize)
+    }
+
     #[inline]
     pub fn find(&self, h: u64) -> Option<u32> {
-        let nodes = &self.nodes;
-        self.table.find(mix(h), |&i| nodes[i as usize].hash == h).copied()
+        let chunks = self.chunks;
+        self.table.find(mix(h), |i| chunks.get(i as usize).is_some_and(|n| n.hash() == h))
     }
 
-    /// Finds `h` as a child of `prev`, trying slab slot `guess` first: a chain stored in one
-    /// call sits in consecutive slots, so walks mostly skip the table (path compression's
-    /// cache-friendliness without splitting and merging edges).
+    /// Node `i` as `h`'s node under `prev`, with its holders: holders and parent in one load,
+    /// then the hash (see `Node`).
     #[inline]
-    pub fn find_child(&self, h: u64, prev: u32, guess: u32) -> Option<u32> {
-        if self.is_guess(h, prev, guess) {
-            return Some(guess);
+    pub fn is_child(&self, i: u32, h: u64, prev: u32) -> Option<Holders> {
+        let n = self.node(i)?;
+        let (hold, parent) = unpack(n.hp());
+        (n.hash() == h && parent == prev).then_some(hold)
+    }
+
+    /// Finds `h` as a child of `prev` (whose hash is `prev_hash`), trying slab slot `guess`
+    /// first: a chain stored in one call sits in consecutive slots, so walks mostly skip the
+    /// table. Returns the node and its holders. A node found through the table whose parent
+    /// index differs is still `h`'s child if its parent's hash is `prev_hash`: a run moved
+    /// (copied, re-pointed, then freed) while the walk was on its old copy.
+    #[inline]
+    pub fn find_child(&self, h: u64, prev: u32, prev_hash: u64, guess: u32) -> Option<(u32, Holders)> {
+        if let Some(hold) = self.is_child(guess, h, prev) {
+            return Some((guess, hold));
         }
         let i = self.find(h)?;
-        (self.nodes[i as usize].parent == prev).then_some(i)
-    }
-
-    /// Whether slab slot `guess` is `h`'s node under `prev`.
-    #[inline]
-    pub fn is_guess(&self, h: u64, prev: u32, guess: u32) -> bool {
-        self.nodes.get(guess as usize).is_some_and(|n| n.hash == h && n.parent == prev)
+        let n = self.node(i)?;
+        let (hold, p) = unpack(n.hp());
+        if n.hash() != h {
+            return None;
+        }
+        let ok = p == prev || (prev < FREE && p < FREE && self.node(p).is_some_and(|pn| pn.hash() == prev_hash));
+        ok.then_some((i, hold))
     }
 
     /// How many of `hashes` continue the run after node `i`: slots `i+1, i+2, ...`, each the child of
@@ -132,13 +293,14 @@ impl Shard {
         let mut n = 0;
         let mut cur = i as usize;
         while n < hashes.len() {
-            let tail = self.nodes.chunk_tail(cur + 1);
+            let tail = self.chunks.chunk_tail(cur + 1);
             if tail.is_empty() {
                 break;
             }
             let before = n;
             for (node, &h) in tail.iter().zip(&hashes[n..]) {
-                if node.hash != h || node.parent as usize != cur || node.holders != holders {
+                // Holders and parent in one load, then the hash (see `Node`).
+                if node.hp() != pack(holders, cur as u32) || node.hash() != h {
                     break;
                 }
                 if node.tick.load(Relaxed) != clock {
@@ -154,33 +316,147 @@ impl Shard {
         n
     }
 
+    /// Refreshes node `i`'s recency (a store only when it changes, so that matches of the same
+    /// blocks on two cores do not keep moving their cache lines between them).
+    #[inline]
+    pub fn touch(&self, i: u32, clock: u32) {
+        if let Some(n) = self.node(i) {
+            if n.tick.load(Relaxed) != clock {
+                n.tick.store(clock, Relaxed);
+            }
+        }
+    }
+
+    /// Word `w` of the bitset of workers holding the block on any tier in `mask`.
+    #[inline]
+    pub fn word(&self, h: Holders, mask: TierMask, w: usize) -> u64 {
+        holders::word_with(h, mask, w, |i| self.sets.words(i))
+    }
+}
+
+fn is_reserved(nodes: &Slab, i: usize) -> bool {
+    nodes.get(i).is_some_and(|n| n.parent() == FREE && n.children() == RESERVED)
+}
+
+/// The slot right after `p` if it is reserved for `p`'s run or is the slab's end (then pushed,
+/// as a free placeholder the caller overwrites): where `p`'s first child goes without a move.
+fn take_after(nodes: &mut Slab, p: u32) -> Option<u32> {
+    let after = p as usize + 1;
+    if is_reserved(nodes, after) {
+        nodes[after].set_children(0);
+        return Some(after as u32);
+    }
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(NodeVal::placeholder());
+        return Some(after as u32);
+    }
+    None
+}
+
+/// Puts `node` in the slot right after `p` if that slot is reserved for `p`'s run or is the
+/// slab's end: where `p`'s first child goes without a move. Gives the node back otherwise.
+#[inline]
+fn put_after(nodes: &mut Slab, p: u32, node: NodeVal) -> Result<u32, NodeVal> {
+    let after = p as usize + 1;
+    if after == nodes.len() && after < MAX_NODES_PER_SHARD {
+        nodes.push(node);
+        return Ok(after as u32);
+    }
+    if is_reserved(nodes, after) {
+        nodes[after].fill(node);
+        return Ok(after as u32);
+    }
+    Err(node)
+}
+
+/// A shard's writer state, behind its lock. What matches read lives in `Shared` (reached from
+/// here through `nodes`, `table_ref` and `arena`), never inline, so that holding this `&mut`
+/// asserts nothing about memory readers are reading.
+pub(crate) struct Shard {
+    pub shared: Arc<Shared>,
+    pub nodes: Slab,
+    free: Vec<u32>,
+    /// Entries in the table, and how many more it takes before it must grow (tombstones use
+    /// room up, as in hashbrown).
+    table_items: usize,
+    table_growth_left: usize,
+    pub arena: HolderArena,
+    /// Blocks held per worker slot in this shard.
+    pub counts: Vec<u64>,
+    /// (block, worker) entries in this shard.
+    pub entries: u64,
+    pub live: usize,
+    /// Parent hash of each orphan root, by node index.
+    pub orphan_parent: hashbrown::HashMap<u32, u64>,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        let shared = Arc::new(Shared::default());
+        // SAFETY: not shared with anyone yet.
+        let buckets = unsafe { shared.table.load(Relaxed, epoch::unprotected()).deref().buckets() };
+        Shard {
+            nodes: Slab::new(shared.clone()),
+            arena: HolderArena::new(shared.clone()),
+            shared,
+            free: Vec::new(),
+            table_items: 0,
+            table_growth_left: table::capacity_of(buckets),
+            counts: Vec::new(),
+            entries: 0,
+            live: 0,
+            orphan_parent: Default::default(),
+        }
+    }
+}
+
+impl Shard {
+    #[inline]
+    fn table_ref(&self) -> &Table {
+        // SAFETY: only the lock holder (borrowed through `self`) swaps the table and retires the
+        // old one, so the current one outlives this borrow.
+        unsafe { self.shared.table.load(Relaxed, epoch::unprotected()).deref() }
+    }
+
+    #[inline]
+    pub fn find(&self, h: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.table_ref().find(mix(h), |i| nodes.get(i as usize).is_some_and(|n| n.hash() == h))
+    }
+
+    /// Whether slab slot `guess` is `h`'s node under `prev`.
+    #[inline]
+    pub fn is_guess(&self, h: u64, prev: u32, guess: u32) -> bool {
+        self.nodes.get(guess as usize).is_some_and(|n| n.hash() == h && n.parent() == prev)
+    }
+
     #[inline]
     pub fn node(&self, i: u32) -> &Node {
         &self.nodes[i as usize]
     }
 
     pub fn is_live(&self, i: u32) -> bool {
-        (i as usize) < self.nodes.len() && self.nodes[i as usize].parent != FREE
+        (i as usize) < self.nodes.len() && self.nodes[i as usize].parent() != FREE
     }
 
     /// How many more nodes the table takes before it must grow.
     pub fn table_room(&self) -> usize {
-        self.table.capacity() - self.table.len()
+        self.table_growth_left
     }
 
-    /// A copy of the table with room for `extra` more nodes (at least twice the size). Built
-    /// under a shared lock, so matches keep reading this shard while a big table is rehashed.
-    pub fn grown_table(&self, extra: usize) -> HashTable<u32> {
-        let want = (self.table.len() + extra).max(self.table.capacity() * 2).max(64);
-        let mut t = HashTable::with_capacity(want);
-        let nodes = &self.nodes;
-        // Every live node has its entry: read them in slab order (sequential, no chunk lookup per
-        // entry) rather than in table order (a random node read per entry).
-        for (c, chunk) in nodes.chunks().enumerate() {
+    /// A copy of the table with room for `extra` more nodes (at least twice the size, unless
+    /// tombstones are what filled it). Built under a shared lock, and readers never wait for it.
+    pub fn grown_table(&self, extra: usize) -> Table {
+        let buckets = self.table_ref().buckets();
+        let need = self.table_items + extra;
+        let want = if table::capacity_of(buckets) >= 2 * need { buckets } else { table::buckets_for(need).max(2 * buckets) };
+        let t = Table::with_buckets(want);
+        // Every live node has its entry: read them in slab order.
+        for (c, chunk) in self.nodes.chunks().enumerate() {
             let base = c * super::slab::CHUNK;
             for (k, n) in chunk.iter().enumerate() {
-                if n.parent != FREE {
-                    t.insert_unique(mix(n.hash), (base + k) as u32, |&j| mix(nodes[j as usize].hash));
+                if n.parent() != FREE {
+                    t.insert(mix(n.hash()), (base + k) as u32);
                 }
             }
         }
@@ -192,11 +468,49 @@ impl Shard {
         self.free.len() + self.nodes.spare()
     }
 
-    /// Swaps in a grown table and returns the old one, to be freed after the lock is released
-    /// (freeing a large table unmaps memory: no reader should wait behind that).
-    pub fn set_table(&mut self, table: HashTable<u32>) -> HashTable<u32> {
-        debug_assert_eq!(table.len(), self.table.len());
-        std::mem::replace(&mut self.table, table)
+    /// Publishes a table made by `grown_table`; the old one is freed once no match holds it.
+    pub fn set_table(&mut self, table: Table) {
+        let cap = table::capacity_of(table.buckets());
+        let guard = epoch::pin();
+        let old = self.shared.table.swap(Owned::new(table), std::sync::atomic::Ordering::AcqRel, &guard);
+        let old = RetiredTable(old.as_raw() as *mut Table);
+        self.shared.retired_tables.fetch_add(1, Relaxed);
+        let graveyard = self.shared.graveyard_tx.clone();
+        // After the grace, to the writer (a send never waits); if the index is gone by then, the
+        // table comes back in the error and is freed right there.
+        guard.defer(move || drop(graveyard.send(old)));
+        guard.flush();
+        self.table_growth_left = cap - self.table_items;
+    }
+
+    /// Makes sure the table takes one more entry (so a vacant bucket found now stays usable).
+    #[inline]
+    fn table_reserve_one(&mut self) {
+        if self.table_growth_left == 0 {
+            let t = self.grown_table(1);
+            self.set_table(t);
+        }
+    }
+
+    /// `h`'s node, or else the bucket its entry goes in (after `table_reserve_one`).
+    #[inline(always)]
+    fn find_or_vacant(&self, h: u64) -> Result<u32, usize> {
+        let nodes = &self.nodes;
+        self.table_ref().find_or_vacant(mix(h), |i| nodes.get(i as usize).is_some_and(|n| n.hash() == h))
+    }
+
+    #[inline]
+    fn table_insert_at(&mut self, b: usize, h: u64, i: u32) {
+        if self.table_ref().insert_at(b, mix(h), i) {
+            self.table_growth_left -= 1;
+        }
+        self.table_items += 1;
+    }
+
+    fn table_remove(&mut self, h: u64, i: u32) {
+        if self.table_ref().remove(mix(h), |j| j == i) {
+            self.table_items -= 1;
+        }
     }
 
     /// Creates a holder-less node under `parent` (`ROOT`, `ORPHAN` or a node index).
@@ -209,69 +523,45 @@ impl Shard {
         }
     }
 
-    /// The node for `h`, creating it under `parent` if absent, with one table probe.
+    /// The node for `h`, creating it under `parent` if absent.
     /// With `grow`, a node created under a leaf goes in the slot right after it (`slot_under`).
     /// Returns (node, created); `None` when the shard is full. `grow` may move `parent` and the
     /// run it ends (never an orphan root), so callers must not hold other node indices across it.
     pub fn find_or_create(&mut self, h: u64, parent: u32, tick: u32, grow: bool) -> Option<(u32, bool)> {
-        let grow = grow && parent < FREE && self.nodes[parent as usize].children == 0;
-        let nodes = &self.nodes;
-        let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
-            hashbrown::hash_table::Entry::Occupied(o) => return Some((*o.get(), false)),
-            hashbrown::hash_table::Entry::Vacant(v) => v,
+        self.table_reserve_one();
+        let vacant = match self.find_or_vacant(h) {
+            Ok(i) => return Some((i, false)),
+            Err(b) => b,
         };
-        let node = Node { hash: h, holders: holders::EMPTY, tick: AtomicU32::new(tick), parent, children: 0 };
-        // One table probe, unless the run under `parent` must move (rare: amortised).
+        let grow = grow && parent < FREE && self.nodes[parent as usize].children() == 0;
+        let node = NodeVal { hash: h, holders: holders::EMPTY, tick, parent, children: 0 };
         let placed = if grow { put_after(&mut self.nodes, parent, node) } else { Err(node) };
         let (i, parent) = match placed {
-            Ok(i) => {
-                vacant.insert(i);
-                (i, parent)
-            }
-            Err(node) if grow => {
-                // (`vacant` is not used on this path, so its borrow of the table ends here.)
-                let placed = self.slot_under(parent);
-                let (i, parent) = match placed {
-                    Some((i, p)) => {
-                        self.nodes[i as usize] = Node { parent: p, ..node };
-                        (i, p)
-                    }
-                    None => (self.place(node)?, parent),
-                };
-                let nodes = &self.nodes;
-                self.table.insert_unique(mix(h), i, |&j| mix(nodes[j as usize].hash));
-                (i, parent)
-            }
-            Err(node) => {
-                let i = match self.free.pop() {
-                    Some(i) => {
-                        self.nodes[i as usize] = node;
-                        i
-                    }
-                    None => {
-                        if self.nodes.len() >= MAX_NODES_PER_SHARD {
-                            return None;
-                        }
-                        self.nodes.push(node);
-                        (self.nodes.len() - 1) as u32
-                    }
-                };
-                vacant.insert(i);
-                (i, parent)
-            }
+            Ok(i) => (i, parent),
+            Err(node) if grow => match self.slot_under(parent) {
+                Some((i, p)) => {
+                    self.nodes[i as usize].fill(NodeVal { parent: p, ..node });
+                    (i, p)
+                }
+                None => (self.place(node)?, parent),
+            },
+            Err(node) => (self.place(node)?, parent),
         };
+        // (Moving a run re-points entries but adds or removes none: `vacant` is still vacant.)
+        self.table_insert_at(vacant, h, i);
         if parent < FREE {
-            self.nodes[parent as usize].children += 1;
+            let p = &self.nodes[parent as usize];
+            p.set_children(p.children() + 1);
         }
         self.live += 1;
         Some((i, true))
     }
 
     /// Puts `node` in a free slot or at the slab's end; `None` when the shard is full.
-    fn place(&mut self, node: Node) -> Option<u32> {
+    fn place(&mut self, node: NodeVal) -> Option<u32> {
         match self.free.pop() {
             Some(i) => {
-                self.nodes[i as usize] = node;
+                self.nodes[i as usize].fill(node);
                 Some(i)
             }
             None if self.nodes.len() >= MAX_NODES_PER_SHARD => None,
@@ -292,18 +582,20 @@ impl Shard {
     /// it is moves its tail (at most `MAX_MOVE` nodes, each with one child, no orphan root) to the
     /// end of the slab with room reserved after it, twice its length: amortised growth like a
     /// vector's. `None` when `p` cannot be moved (an orphan root) or the shard is full.
+    /// Readers on the old copy finish on it or, once it is freed, find the new copy through the
+    /// table: the copy is written first, then the table re-pointed, then the old slots freed.
     fn slot_under(&mut self, p: u32) -> Option<(u32, u32)> {
         if let Some(i) = take_after(&mut self.nodes, p) {
             return Some((i, p));
         }
         // The run's tail: p and the nodes before it that chain into it and have no other child.
         let mut start = p as usize;
-        if self.nodes[start].parent == ORPHAN {
+        if self.nodes[start].parent() == ORPHAN {
             return None;
         }
         while p as usize - start + 1 < MAX_MOVE && start > 0 {
             let (prev, cur) = (&self.nodes[start - 1], &self.nodes[start]);
-            if cur.parent != (start - 1) as u32 || prev.children != 1 || prev.parent == FREE || prev.parent == ORPHAN {
+            if cur.parent() != (start - 1) as u32 || prev.children() != 1 || prev.parent() == FREE || prev.parent() == ORPHAN {
                 break;
             }
             start -= 1;
@@ -319,29 +611,22 @@ impl Shard {
             None => {
                 let b = self.nodes.len();
                 for _ in 0..cap {
-                    self.nodes.push(Node { hash: 0, holders: holders::EMPTY, tick: AtomicU32::new(0), parent: FREE, children: 0 });
+                    self.nodes.push(NodeVal::placeholder());
                 }
                 b
             }
         };
         for k in 0..len {
-            let old = start + k;
-            let n = &mut self.nodes[old];
-            let moved = Node {
-                hash: n.hash,
-                holders: n.holders,
-                tick: AtomicU32::new(n.tick.load(Relaxed)),
-                parent: if k == 0 { n.parent } else { (base + k - 1) as u32 },
-                children: n.children,
-            };
-            n.parent = FREE;
-            n.holders = holders::EMPTY;
-            n.children = 0;
-            let h = moved.hash;
-            self.nodes[base + k] = moved;
-            if let Some(e) = self.table.find_mut(mix(h), |&j| j as usize == old) {
-                *e = (base + k) as u32;
-            }
+            let v = self.nodes[start + k].val();
+            let parent = if k == 0 { v.parent } else { (base + k - 1) as u32 };
+            self.nodes[base + k].fill(NodeVal { parent, ..v });
+        }
+        for k in 0..len {
+            let (old, h) = (start + k, self.nodes[start + k].hash());
+            self.table_ref().repoint(mix(h), |j| j as usize == old, (base + k) as u32);
+        }
+        for old in start..start + len {
+            self.nodes[old].clear();
         }
         // The old slots are free for anyone (and so are slots reserved after them, if any).
         self.release_reserved(start + len);
@@ -349,7 +634,7 @@ impl Shard {
             self.free.push(old as u32);
         }
         for k in len + 1..cap {
-            self.nodes[base + k].children = RESERVED;
+            self.nodes[base + k].set_children(RESERVED);
         }
         Some(((base + len) as u32, (base + len - 1) as u32))
     }
@@ -368,7 +653,7 @@ impl Shard {
     /// Returns the reserved slots from `i` on to the free list (their run lost its tail).
     fn release_reserved(&mut self, mut i: usize) {
         while self.is_reserved(i) {
-            self.nodes[i].children = 0;
+            self.nodes[i].set_children(0);
             self.free.push(i as u32);
             i += 1;
         }
@@ -380,7 +665,7 @@ impl Shard {
     /// Returns how many it appended, stopping at the first hash present, where the run cannot
     /// grow in place, or at a full shard; nodes `prev + 1 ..= prev + n` are the new ones.
     pub fn extend_run(&mut self, prev: u32, hashes: &[u64], tick: u32, slot: u32, tier: TierMask) -> usize {
-        if prev >= FREE || self.nodes[prev as usize].children != 0 {
+        if prev >= FREE || self.nodes[prev as usize].children() != 0 {
             return 0;
         }
         let hold = holders::single(slot, tier);
@@ -391,25 +676,25 @@ impl Shard {
             if !(at_end && after < MAX_NODES_PER_SHARD || is_reserved(&self.nodes, after)) {
                 break;
             }
-            let nodes = &self.nodes;
-            let vacant = match self.table.entry(mix(h), |&i| nodes[i as usize].hash == h, |&i| mix(nodes[i as usize].hash)) {
-                hashbrown::hash_table::Entry::Occupied(_) => break,
-                hashbrown::hash_table::Entry::Vacant(v) => v,
+            self.table_reserve_one();
+            let vacant = match self.find_or_vacant(h) {
+                Ok(_) => break,
+                Err(b) => b,
             };
             // Written as having one child (the next one); the last is corrected below.
-            let node = Node { hash: h, holders: hold, tick: AtomicU32::new(tick), parent: p as u32, children: 1 };
+            let node = NodeVal { hash: h, holders: hold, tick, parent: p as u32, children: 1 };
             if at_end {
                 self.nodes.push(node);
             } else {
-                self.nodes[after] = node;
+                self.nodes[after].fill(node);
             }
-            vacant.insert(after as u32);
+            self.table_insert_at(vacant, h, after as u32);
             p = after;
         }
         let n = p - prev as usize;
         if n > 0 {
-            self.nodes[prev as usize].children = 1;
-            self.nodes[p].children = 0;
+            self.nodes[prev as usize].set_children(1);
+            self.nodes[p].set_children(0);
             self.live += n;
             self.bump(slot, n as i64);
         }
@@ -420,17 +705,19 @@ impl Shard {
     /// `add_holder` without the arena's cases.
     #[inline]
     pub fn first_holder(&mut self, i: u32, slot: u32, tier: TierMask) {
-        let n = &mut self.nodes[i as usize];
-        debug_assert!(holders::is_empty(n.holders));
-        n.holders = holders::single(slot, tier);
+        let n = &self.nodes[i as usize];
+        debug_assert!(holders::is_empty(n.holders()));
+        n.set_holders(holders::single(slot, tier));
         self.bump(slot, 1);
     }
 
     /// Adds (slot, tier) to node `i`; returns (new entry, duplicate).
     pub fn add_holder(&mut self, i: u32, slot: u32, tier: TierMask) -> (bool, bool) {
-        let h = self.nodes[i as usize].holders;
+        let h = self.nodes[i as usize].holders();
         let (nh, added) = self.arena.add(h, slot, tier);
-        self.nodes[i as usize].holders = nh;
+        self.nodes[i as usize].set_holders(nh);
+        // (A set this released is retired by the caller before it lets the shard go: once per
+        // store, not per block. Retiring later than needed is always safe.)
         if added.new_entry {
             self.bump(slot, 1);
         }
@@ -441,9 +728,10 @@ impl Shard {
     /// with no holders and no children is deleted, and so are its ancestors that become so.
     /// Returns the number of nodes deleted as the second value.
     pub fn remove_holder(&mut self, i: u32, slot: u32, tiers: TierMask) -> (bool, usize) {
-        let h = self.nodes[i as usize].holders;
+        let h = self.nodes[i as usize].holders();
         let (nh, gone) = self.arena.remove(h, slot, tiers);
-        self.nodes[i as usize].holders = nh;
+        self.nodes[i as usize].set_holders(nh);
+        self.arena.retire_pending();
         if gone {
             self.bump(slot, -1);
         }
@@ -465,10 +753,10 @@ impl Shard {
         let mut deleted = 0;
         loop {
             let n = &self.nodes[i as usize];
-            if !holders::is_empty(n.holders) || n.children != 0 {
+            if !holders::is_empty(n.holders()) || n.children() != 0 {
                 return deleted;
             }
-            let parent = n.parent;
+            let parent = n.parent();
             self.delete(i);
             deleted += 1;
             if parent >= FREE {
@@ -481,11 +769,11 @@ impl Shard {
     /// Deletes leaf `i` whatever it holds (eviction), and returns its parent index.
     pub fn evict_leaf(&mut self, i: u32) -> u32 {
         let mut list = Vec::new();
-        self.arena.list(self.nodes[i as usize].holders, &mut list);
+        self.arena.list(self.nodes[i as usize].holders(), &mut list);
         for (slot, _) in list {
             self.bump(slot, -1);
         }
-        let parent = self.nodes[i as usize].parent;
+        let parent = self.nodes[i as usize].parent();
         self.delete(i);
         parent
     }
@@ -493,23 +781,21 @@ impl Shard {
     fn delete(&mut self, i: u32) {
         let (h, parent, hold) = {
             let n = &self.nodes[i as usize];
-            debug_assert_eq!(n.children, 0);
-            (n.hash, n.parent, n.holders)
+            debug_assert_eq!(n.children(), 0);
+            (n.hash(), n.parent(), n.holders())
         };
-        self.arena.drop_holders(hold);
-        if let Ok(entry) = self.table.find_entry(mix(h), |&j| j == i) {
-            entry.remove();
-        }
+        self.table_remove(h, i);
         if parent < FREE {
-            self.nodes[parent as usize].children -= 1;
+            let p = &self.nodes[parent as usize];
+            p.set_children(p.children() - 1);
         }
         if parent == ORPHAN {
             self.orphan_parent.remove(&i);
         }
-        let n = &mut self.nodes[i as usize];
-        n.parent = FREE;
-        n.holders = holders::EMPTY;
-        n.children = 0;
+        self.nodes[i as usize].clear();
+        // (After the node stops naming it: the set may be retired here.)
+        self.arena.drop_holders(hold);
+        self.arena.retire_pending();
         self.free.push(i);
         self.live -= 1;
         self.release_reserved(i as usize + 1);
@@ -521,11 +807,12 @@ impl Shard {
         let mut emptied = Vec::new();
         for i in 0..self.nodes.len() as u32 {
             let n = &self.nodes[i as usize];
-            if n.parent == FREE || self.arena.tiers(n.holders, slot) == 0 {
+            let hold = n.holders();
+            if n.parent() == FREE || self.arena.tiers(hold, slot) == 0 {
                 continue;
             }
-            let (nh, gone) = self.arena.remove(n.holders, slot, holders::ANY_TIER);
-            self.nodes[i as usize].holders = nh;
+            let (nh, gone) = self.arena.remove(hold, slot, holders::ANY_TIER);
+            self.nodes[i as usize].set_holders(nh);
             if gone {
                 entries += 1;
                 self.bump(slot, -1);
@@ -534,6 +821,7 @@ impl Shard {
                 emptied.push(i);
             }
         }
+        self.arena.retire_pending();
         let mut deleted = 0;
         for i in emptied {
             if self.is_live(i) {
@@ -552,12 +840,12 @@ impl Shard {
         let mut depth = vec![u32::MAX; n];
         let mut stack = Vec::new();
         for start in 0..n {
-            if self.nodes[start].parent == FREE || depth[start] != u32::MAX {
+            if self.nodes[start].parent() == FREE || depth[start] != u32::MAX {
                 continue;
             }
             let mut i = start;
             loop {
-                let p = self.nodes[i].parent;
+                let p = self.nodes[i].parent();
                 if p >= FREE {
                     depth[i] = 0;
                     break;
@@ -575,7 +863,7 @@ impl Shard {
                 depth[j] = d;
             }
         }
-        let mut order: Vec<u32> = (0..n as u32).filter(|&i| self.nodes[i as usize].parent != FREE).collect();
+        let mut order: Vec<u32> = (0..n as u32).filter(|&i| self.nodes[i as usize].parent() != FREE).collect();
         order.sort_by_key(|&i| depth[i as usize]);
         order
     }
@@ -583,7 +871,7 @@ impl Shard {
     pub fn bytes(&self) -> usize {
         self.nodes.bytes()
             + self.free.capacity() * 4
-            + self.table.capacity() * (4 + 1)
+            + self.table_ref().bytes()
             + self.arena.bytes()
             + self.counts.capacity() * 8
             + self.orphan_parent.capacity() * 13
@@ -591,15 +879,8 @@ impl Shard {
 
     /// Halves every tick (order kept) when the clock nears wrapping.
     pub fn halve_ticks(&mut self) {
-        for n in self.nodes.iter_mut() {
-            *n.tick.get_mut() >>= 1;
-        }
-    }
-
-    pub fn touch(&self, i: u32, clock: u32) {
-        let t = &self.nodes[i as usize].tick;
-        if t.load(Relaxed) != clock {
-            t.store(clock, Relaxed);
+        for n in self.nodes.iter() {
+            n.tick.store(n.tick.load(Relaxed) >> 1, Relaxed);
         }
     }
 }

@@ -426,3 +426,107 @@ fn runs_are_followed_across_chunks_and_stop_where_holders_change() {
     assert_eq!(depth(&idx, &q, 1), Some(5500));
     assert_eq!(depth(&idx, &c[..4097], 1), Some(4097));
 }
+
+#[test]
+fn lock_free_matches_never_over_report_under_concurrent_writes() {
+    // Writers store chains turn by turn (runs grow and move), remove middle blocks (slots freed
+    // and refilled), share blocks between workers (spilled sets interned and retired), and
+    // remove workers whose slots are then reused by new ids; readers match meanwhile, without a
+    // lock. Each worker id only ever stores the first `limit(id)` blocks of a chain, so a match
+    // that names it deeper read a torn node, another block's holders or a reused slot.
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    const LEN: usize = 64;
+    fn limit(id: u64) -> usize {
+        4 + (id.wrapping_mul(7919) % 60) as usize
+    }
+    let idx = Arc::new(KvIndex::new(None));
+    let chains: Arc<Vec<Vec<u64>>> = Arc::new((0..24).map(|k| chain(777_000 + k, LEN)).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for t in 0..2u64 {
+        let (idx, chains) = (idx.clone(), chains.clone());
+        writers.push(std::thread::spawn(move || {
+            let mut rng = 0x9E37_79B9u64 ^ t;
+            let mut next = || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let mut gen = 0u64;
+            for r in 0..(if cfg!(miri) { 50 } else { 6000 }) {
+                let id = t * 1_000_000 + gen * 4 + next() % 4;
+                let c = &chains[(next() % chains.len() as u64) as usize];
+                let lim = limit(id);
+                match next() % 8 {
+                    0..=4 => {
+                        // In turns of 1-8 blocks, each under its parent.
+                        let mut at = 0;
+                        while at < lim {
+                            let end = (at + 1 + (next() % 8) as usize).min(lim);
+                            idx.store(id, &c[at..end], (at > 0).then(|| c[at - 1]), Tier::Device).unwrap();
+                            at = end;
+                        }
+                    }
+                    5 | 6 => {
+                        let a = (next() % LEN as u64) as usize;
+                        let b = (a + 1 + (next() % 8) as usize).min(LEN);
+                        idx.remove(id, &c[a..b], ANY_TIER);
+                    }
+                    _ => {
+                        for k in 0..4 {
+                            idx.remove_worker(t * 1_000_000 + gen * 4 + k);
+                        }
+                        gen += 1;
+                    }
+                }
+                if r % 1000 == 999 {
+                    idx.clear(id);
+                }
+            }
+        }));
+    }
+    let mut readers = Vec::new();
+    for _ in 0..2 {
+        let (idx, chains, stop) = (idx.clone(), chains.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Relaxed) || n < 1000 {
+                for c in chains.iter() {
+                    let m = idx.find_matches(c, ANY_TIER);
+                    for (&w, &d) in m.workers.iter().zip(&m.depths) {
+                        assert!(d as usize <= limit(w), "worker {w} matched {d} blocks, stores at most {}", limit(w));
+                    }
+                    n += 1;
+                }
+            }
+        }));
+    }
+    for h in writers {
+        h.join().unwrap();
+    }
+    stop.store(true, Relaxed);
+    for h in readers {
+        h.join().unwrap();
+    }
+    let st = idx.stats();
+    assert_eq!(st.nodes as usize, idx.len());
+}
+
+#[test]
+fn matches_do_not_wait_for_a_writer_holding_the_shard() {
+    // A writer descheduled mid-store holds its shard's lock: a match of a chain in that shard
+    // still answers (with the lock-based read path, this very thread would deadlock here).
+    let idx = KvIndex::new(None);
+    let c = chain(31, 300);
+    idx.store(1, &c, None, Tier::Device).unwrap();
+    idx.store(2, &c[..100], None, Tier::Device).unwrap();
+    let held = idx.shard(root_shard(c[0])).write();
+    assert_eq!(depth(&idx, &c, 1), Some(300));
+    assert_eq!(depth(&idx, &c, 2), Some(100));
+    drop(held);
+    let held = idx.shard(root_shard(c[0])).upgradable_read();
+    assert_eq!(depth(&idx, &c, 1), Some(300));
+    drop(held);
+}
