@@ -296,6 +296,27 @@ class _Server:
         with _live_lock:
             _live.discard(self)  # type: ignore[arg-type]
 
+    def _launch(self, argv: list[str], health_path: str, timeout: float, env: dict[str, str] | None = None) -> None:
+        """Starts ``argv`` (its output appended to the log) and polls ``health_path`` until it answers
+        200, for at most ``timeout`` s; BedError with the log's tail if it exits or stays unhealthy."""
+        self.bed.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {' '.join(argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        with _live_lock:
+            _live.add(self)  # type: ignore[arg-type]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(self.url + health_path, timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.2)
+        self._stop(signal.SIGTERM, 15.0)
+        raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+
 
 @dataclass(eq=False)
 class Engine(_Server):
@@ -465,22 +486,8 @@ class Gateway(_Server):
         return out + list(self.args)
 
     def start(self, timeout: float = 60.0) -> Gateway:
-        self.bed.logs.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n==== {' '.join(self.argv())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        with _live_lock:
-            _live.add(self)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return self
-            time.sleep(0.2)
-        raise BedError(f"{self.name} not healthy within {timeout} s; log:\n{self.log_tail()}")
+        self._launch(self.argv(), "/health", timeout)
+        return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         self._stop(sig, timeout)
@@ -507,7 +514,6 @@ class LiteLLMProxy(_Server):
         return [str(exe), "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port), "--num_workers", "1"]
 
     def start(self, timeout: float = 120.0) -> LiteLLMProxy:
-        self.bed.logs.mkdir(parents=True, exist_ok=True)
         # The bundled model cost map (no fetch from the network), no telemetry; the rest is the config's.
         env = {
             **os.environ,
@@ -517,25 +523,8 @@ class LiteLLMProxy(_Server):
             **self.env,
         }
         env.pop("VIRTUAL_ENV", None)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n==== {' '.join(self.argv())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        with _live_lock:
-            _live.add(self)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BedError(f"{self.name} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(self.url + "/health/liveliness", timeout=2) as r,
-            ):
-                if r.status == 200:
-                    return self
-            time.sleep(0.2)
-        self.stop()
-        raise BedError(f"{self.name} not alive within {timeout} s; log:\n{self.log_tail()}")
+        self._launch(self.argv(), "/health/liveliness", timeout, env=env)
+        return self
 
     @property
     def auth(self) -> dict[str, str]:
