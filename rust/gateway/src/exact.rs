@@ -17,8 +17,8 @@ use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
 use crate::prompt::{
-    completion_prompt, object, output_tokens, py_float_repr, py_json_str, py_truthy, valid_messages, ApproxPrompt, BadRequest,
-    CompletionPrompt,
+    approx_prompt_of, completion_prompt, object, output_tokens, py_float_repr, py_json_str, py_truthy, valid_messages, ApproxPrompt,
+    BadRequest, CompletionPrompt,
 };
 
 /// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
@@ -98,6 +98,16 @@ impl ExactPrompter {
         })
     }
 
+    /// Tokens per hashed block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The block hashes' seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Why chat requests route on approximate hashes, when they do (the template does not compile in minijinja).
     pub fn template_unsupported(&self) -> Option<&str> {
         match &self.template {
@@ -165,6 +175,21 @@ impl ExactPrompter {
         match self.token_ids(body, chat)? {
             Some(ids) => self.hash(body, ids).map(Some),
             None => Ok(None),
+        }
+    }
+
+    /// What the data plane routes a body on in exact mode: its exact prompt, or, for a valid body
+    /// not reproducible exactly here, its approximate hashes; the flag is true when exact.
+    pub fn routed_prompt(&self, body: &Value, chat: bool) -> Result<(ApproxPrompt, bool), BadRequest> {
+        let exact = self.prompt(body, chat)?;
+        self.or_approx(body, chat, exact)
+    }
+
+    /// `exact` (an outcome of `prompt` / `prompt_async`), or the body's approximate hashes in its place.
+    pub fn or_approx(&self, body: &Value, chat: bool, exact: Option<ApproxPrompt>) -> Result<(ApproxPrompt, bool), BadRequest> {
+        match exact {
+            Some(p) => Ok((p, true)),
+            None => Ok((approx_prompt_of(body, chat, self.block_size, self.seed, false)?, false)),
         }
     }
 

@@ -36,7 +36,7 @@ use tokio::time::Sleep;
 use crate::approx::ApproxCache;
 use crate::exact::{ExactError, ExactPrompter};
 use crate::metrics::{render_metrics, Metrics, MetricsSnapshot};
-use crate::prompt::{approx_prompt, approx_prompt_of, py_truthy, ApproxPrompt, BadRequest};
+use crate::prompt::{approx_prompt, py_truthy, ApproxPrompt, BadRequest};
 
 #[path = "pd.rs"]
 pub mod pd;
@@ -374,10 +374,7 @@ impl DataPlane {
     pub fn prompt(&self, body: &Value, chat: bool) -> Result<ApproxPrompt, BadRequest> {
         let sh = &self.shared;
         match &sh.exact {
-            Some(exact) => match exact.prompt(body, chat)? {
-                Some(p) => Ok(p),
-                None => approx_prompt_of(body, chat, sh.block_size, sh.seed, false),
-            },
+            Some(exact) => exact.routed_prompt(body, chat).map(|(p, _)| p),
             None => approx_prompt(body, chat, sh.block_size, sh.seed),
         }
     }
@@ -532,11 +529,7 @@ async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>) -> Respon
     let stream = value.get("stream").is_some_and(py_truthy);
     let prompt = match &sh.exact {
         // A valid body the exact prompter cannot reproduce routes on its approximate hashes.
-        Some(exact) => match exact.prompt_async(&value, chat).await {
-            Ok(Some(p)) => Ok(p),
-            Ok(None) => approx_prompt_of(&value, chat, sh.block_size, sh.seed, false),
-            Err(e) => Err(e),
-        },
+        Some(exact) => exact.prompt_async(&value, chat).await.and_then(|p| exact.or_approx(&value, chat, p)).map(|(p, _)| p),
         None => approx_prompt(&value, chat, sh.block_size, sh.seed),
     };
     match prompt {

@@ -33,7 +33,7 @@ pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> 
 
 /// `approx_prompt`; `strict: false` (exact mode's fallback, for a body the exact prompter validated)
 /// keys message contents of any JSON type by their JSON text instead of refusing them.
-pub fn approx_prompt_of(body: &Value, chat: bool, block_size: usize, seed: u64, strict: bool) -> Result<ApproxPrompt, BadRequest> {
+pub(crate) fn approx_prompt_of(body: &Value, chat: bool, block_size: usize, seed: u64, strict: bool) -> Result<ApproxPrompt, BadRequest> {
     let body = object(body)?;
     let tokens = if chat {
         let msgs = valid_messages(body)?;

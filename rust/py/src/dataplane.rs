@@ -324,11 +324,11 @@ impl PyDataPlane {
     }
 }
 
-fn bad_request(e: BadRequest) -> PyErr {
+pub(crate) fn bad_request(e: BadRequest) -> PyErr {
     PyValueError::new_err(e.0)
 }
 
-fn parse(body: &[u8]) -> PyResult<serde_json::Value> {
+pub(crate) fn parse(body: &[u8]) -> PyResult<serde_json::Value> {
     serde_json::from_slice(body).map_err(|e| PyValueError::new_err(format!("request body is not valid JSON: {e}")))
 }
 

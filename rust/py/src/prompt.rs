@@ -4,29 +4,20 @@
 
 use std::path::PathBuf;
 
-use kvroute_gateway::{approx_prompt_of, ApproxPrompt, BadRequest, ExactError, ExactPrompter};
+use kvroute_gateway::{ExactError, ExactPrompter};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::convert::check_block_size;
-
-fn bad_request(e: BadRequest) -> PyErr {
-    PyValueError::new_err(e.0)
-}
-
-fn parse(body: &[u8]) -> PyResult<serde_json::Value> {
-    serde_json::from_slice(body).map_err(|e| PyValueError::new_err(format!("request body is not valid JSON: {e}")))
-}
+use crate::dataplane::{bad_request, parse};
 
 /// Exact mode: a tokenizer.json (or a directory holding one) and the chat template of the
 /// tokenizer_config.json beside it, as the data plane loads them.
 #[pyclass(name = "ExactPrompter", module = "kvroute._core", frozen)]
 pub struct PyExactPrompter {
     inner: ExactPrompter,
-    block_size: usize,
-    seed: u64,
 }
 
 #[pymethods]
@@ -39,7 +30,7 @@ impl PyExactPrompter {
             ExactError::NotFound(_) => PyFileNotFoundError::new_err(e.to_string()),
             _ => PyValueError::new_err(e.to_string()),
         })?;
-        Ok(PyExactPrompter { inner, block_size: bs, seed })
+        Ok(PyExactPrompter { inner })
     }
 
     /// The routed prompt of a raw request body: (sequence hashes, num_tokens, output_tokens,
@@ -48,14 +39,7 @@ impl PyExactPrompter {
     /// client's 400 message for an invalid body.
     fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Bound<'py, PyTuple>> {
         let value = parse(body)?;
-        let (p, exact) = py
-            .detach(|| -> Result<(ApproxPrompt, bool), BadRequest> {
-                Ok(match self.inner.prompt(&value, chat)? {
-                    Some(p) => (p, true),
-                    None => (approx_prompt_of(&value, chat, self.block_size, self.seed, false)?, false),
-                })
-            })
-            .map_err(bad_request)?;
+        let (p, exact) = py.detach(|| self.inner.routed_prompt(&value, chat)).map_err(bad_request)?;
         let hashes: Bound<'_, PyArray1<u64>> = p.hashes.into_pyarray(py);
         PyTuple::new(
             py,
@@ -90,12 +74,12 @@ impl PyExactPrompter {
 
     #[getter]
     fn block_size(&self) -> usize {
-        self.block_size
+        self.inner.block_size()
     }
 
     #[getter]
     fn seed(&self) -> u64 {
-        self.seed
+        self.inner.seed()
     }
 }
 
