@@ -60,6 +60,11 @@ class EngineUnavailable(RuntimeError):
         self.engine_url = engine_url
         self.reason = reason
 
+    @classmethod
+    def of(cls, engine_url: str, error: BaseException) -> EngineUnavailable:
+        """The connection error ``error`` on the way to ``engine_url``."""
+        return cls(engine_url, f"{type(error).__name__}: {error}")
+
     def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it across processes
         return (EngineUnavailable, (self.engine_url, self.reason))
 
@@ -344,7 +349,7 @@ class EngineReplica:
         try:
             return await self._session.post(self.url + req.path, json=req.body)
         except aiohttp.ClientConnectionError as e:  # refused, reset, or closed before the answer's head
-            raise EngineUnavailable(self.url, f"{type(e).__name__}: {e}") from None
+            raise EngineUnavailable.of(self.url, e) from None
 
     async def complete(self, req: OpenAIRequest) -> dict[str, Any]:
         """A non-streamed request: the engine's JSON answer (an engine error raises, so Serve reports
@@ -355,7 +360,7 @@ class EngineReplica:
             try:
                 text = await r.text()
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:  # the engine died before answering in full
-                raise EngineUnavailable(self.url, f"{type(e).__name__}: {e}") from None
+                raise EngineUnavailable.of(self.url, e) from None
             if r.status != 200:
                 raise RuntimeError(f"engine {self.url} answered {r.status}: {text[:300]}")
             return dict(json.loads(text))
@@ -376,7 +381,7 @@ class EngineReplica:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 if started:
                     raise
-                raise EngineUnavailable(self.url, f"{type(e).__name__}: {e}") from None
+                raise EngineUnavailable.of(self.url, e) from None
 
 
 class OpenAIIngress:
