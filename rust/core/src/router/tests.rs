@@ -842,12 +842,18 @@ fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
     assert_eq!(route(&r, &p, 0.0).overlap_blocks, 0);
 }
 
-#[test]
-fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
+/// Workers 0 and 1 under "cache_only", ties to the lowest id: placement by overlap alone.
+fn cache_only_pair() -> Router {
     let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
     for w in 0..2 {
         r.add_worker(w, WorkerSpec::default()).unwrap();
     }
+    r
+}
+
+#[test]
+fn pending_continues_the_index_prefix_and_holds_only_what_it_lacked() {
+    let r = cache_only_pair();
     let p = prompt(38, 640);
     store(&r, 1, &p[..512]); // the index: 8 of the 10 blocks on worker 1
     let d = tracked(&r, &p, 0.0, 1);
@@ -866,10 +872,7 @@ fn a_pending_block_its_engine_removed_no_longer_counts() {
     // routed to worker 0 (its 10 blocks pending there), finishes, its stores arrive; the engine
     // then evicts A's last 5 blocks for the next request, all within the grace after A's end.
     // A request with A's prompt must see the 5 blocks the engine still holds, not 10.
-    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
-    for w in 0..2 {
-        r.add_worker(w, WorkerSpec::default()).unwrap();
-    }
+    let r = cache_only_pair();
     let p = prompt(39, 640);
     let hs = sequence_hashes(&p, 64, crate::DEFAULT_SEED, None);
     let a = tracked(&r, &p, 0.0, 1);
