@@ -40,13 +40,17 @@ class ServeApp:
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
             return r.headers["x-kvroute-ingress"], r.read()
 
-    def routers(self, replicas: int = 2) -> dict[str, list[dict[str, Any]]]:
-        """Each ingress replica's kvroute routers (asks until every replica answered, bounded)."""
-        seen: dict[str, list[dict[str, Any]]] = {}
+    def ingresses(self, replicas: int = 2) -> dict[str, dict[str, Any]]:
+        """Each ingress replica's ``/kvroute/routers`` answer (asks until every replica answered, bounded)."""
+        seen: dict[str, dict[str, Any]] = {}
         for _ in range(50):
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/kvroute/routers", timeout=30) as r:
                 out = json.loads(r.read())
-            seen[out["replica"]] = out["routers"]
+            seen[out["replica"]] = out
             if len(seen) == replicas:
                 break
         return seen
+
+    def routers(self, replicas: int = 2) -> dict[str, list[dict[str, Any]]]:
+        """Each ingress replica's kvroute routers."""
+        return {replica: out["routers"] for replica, out in self.ingresses(replicas).items()}

@@ -86,13 +86,20 @@ def test_two_router_instances_keep_conversations_on_their_engine(cluster: Cluste
     per_conv = {conv: set().union(*(h for (_, c), h in homes.items() if c == conv)) for conv in range(6)}
     assert all(len(h) <= 2 for h in per_conv.values()), per_conv
     wait_released(cluster)
-    stats = cluster.routers()
+    ingress = cluster.ingresses()
+    stats = {replica: out["routers"] for replica, out in ingress.items()}
     assert len(stats) == 2 and all(len(rs) == 1 for rs in stats.values()), stats
     leases = [rs[0]["leases"] for rs in stats.values()]
     assert sum(lz["opened"] for lz in leases) == 24
     assert all(lz["opened"] == lz["finished"] for lz in leases), leases
-    # The 12 streamed requests' first chunks reached the Router's load model (prefill_done).
-    assert sum(rs[0]["counts"]["first_tokens"] for rs in stats.values()) == 12, stats
+    # Every streamed request's first chunk reached its ingress, which reported it to the routers.
+    assert sum(out["first_chunks"] for out in ingress.values()) == 12, ingress
+    # Each lease's prefill end was measured (a first token reached the Router's load model while the
+    # lease was open) or, for the 12 unstreamed ones and any stream so short that Serve reported it
+    # complete before the ingress saw its first chunk (a race Serve's hooks leave open), bounded at release.
+    measured = sum(rs[0]["counts"]["first_tokens"] for rs in stats.values())
+    assert measured + sum(lz["no_first_token"] for lz in leases) == 24, stats
+    assert 1 <= measured <= 12, stats
     assert all(rs[0]["open"] == 0 for rs in stats.values())
 
 

@@ -43,7 +43,8 @@ def test_release_exactly_once_per_outcome() -> None:
         assert lease.outcome == outcome and lease.released
         assert leases.release(lease.ticket, "finished") is False
         assert r.num_in_flight == 0 and len(leases) == 0
-    assert leases.counts == {"opened": 3, "finished": 1, "failed": 1, "cancelled": 1, "expired": 0, "duplicates": 3}
+    # The finished one had no first token reported: its prefill end was bounded, not measured.
+    assert leases.counts == {"opened": 3, "finished": 1, "failed": 1, "cancelled": 1, "expired": 0, "duplicates": 3, "no_first_token": 1}
 
 
 def test_prefill_done_then_failure_frees_the_decode_side() -> None:
@@ -54,6 +55,7 @@ def test_prefill_done_then_failure_frees_the_decode_side() -> None:
     assert r.load(0)["decoding"] == 1
     assert leases.fail(lease.ticket)
     assert r.load(0)["decoding"] == 0 and r.num_in_flight == 0
+    assert leases.counts["no_first_token"] == 0
 
 
 def test_finish_without_a_first_token_does_not_count_the_answer_as_prefill() -> None:
@@ -82,6 +84,7 @@ def test_finish_without_a_first_token_does_not_count_the_answer_as_prefill() -> 
     assert leases.finish(c.ticket)
     assert r.load(0)["busy_until"] < before - 1.5
     assert leases.finish(d.ticket) and r.num_in_flight == 0
+    assert leases.counts["no_first_token"] == 4
 
 
 def test_abandoned_lease_expires_after_ttl() -> None:

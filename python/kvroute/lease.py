@@ -83,7 +83,17 @@ class LeaseTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._open: dict[str, Lease] = {}
-        self.counts: dict[str, int] = {"opened": 0, "finished": 0, "failed": 0, "cancelled": 0, "expired": 0, "duplicates": 0}
+        #: Releases by outcome, plus ``no_first_token``: leases that finished (or expired) with no first
+        #: token reported, whose prefill time the table bounded instead of measuring (see ``release``).
+        self.counts: dict[str, int] = {
+            "opened": 0,
+            "finished": 0,
+            "failed": 0,
+            "cancelled": 0,
+            "expired": 0,
+            "duplicates": 0,
+            "no_first_token": 0,
+        }
 
     def __len__(self) -> int:
         return len(self._open)
@@ -173,6 +183,8 @@ class LeaseTable:
             self._call(self.router.cancel, ticket)
             return True
         if not lease.prefilled:
+            with self._lock:
+                self.counts["no_first_token"] += 1
             due = min(self.router.clock(), lease.first_token_due)
             self._call(lambda t: self.router.prefill_done(t, now=due), ticket)
         self._call(self.router.finished, ticket)

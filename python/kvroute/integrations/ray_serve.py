@@ -290,7 +290,9 @@ class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         """The request's first token reached the ingress (its prefill is over): tells the Router's
         load model, as the gateway does at each first streamed chunk. Serve has no hook for it, so
         ``OpenAIIngress`` calls this on the routers of its own process; False when this router holds
-        no lease for that request (another handle's router routed it)."""
+        no lease for that request: another handle's router routed it, or a short answer completed
+        (``on_request_completed``) before the ingress saw its first chunk, and the lease was released
+        with its prefill bounded instead (counted in ``leases.counts["no_first_token"]``)."""
         ticket = self._leased.get(internal_request_id)
         if ticket is None or not self.engines.leases.prefill_done(ticket):
             return False
@@ -389,7 +391,8 @@ class OpenAIIngress:
     engine deployment through its handle (so the handle's request router sees the prompt), streamed
     or not. A call that fails with ``EngineUnavailable`` before any byte reached the client is made
     again with that engine excluded, up to ``max_attempts`` calls in all. ``GET /kvroute/routers``
-    reports this replica's kvroute routers (leases, counts)."""
+    reports this replica's kvroute routers (leases, counts), its retries and the streams whose first
+    chunk reached it (``first_chunks``)."""
 
     def __init__(self, engine: Any, max_attempts: int = 3) -> None:
         if max_attempts < 1:
@@ -399,6 +402,8 @@ class OpenAIIngress:
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.to_full_id_str()
         self.retries = 0
+        #: Streams whose first chunk reached this ingress (each reported to the routers, ``_first_token``).
+        self.first_chunks = 0
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -406,7 +411,8 @@ class OpenAIIngress:
         headers = {"x-kvroute-ingress": self.replica}
         if request.method == "GET" and request.url.path.endswith("/kvroute/routers"):
             stats = [{"counts": r.counts, "leases": dict(r.engines.leases.counts), "open": len(r.engines.leases)} for r in routers()]
-            return JSONResponse({"replica": self.replica, "routers": stats, "retries": self.retries}, headers=headers)
+            out = {"replica": self.replica, "routers": stats, "retries": self.retries, "first_chunks": self.first_chunks}
+            return JSONResponse(out, headers=headers)
         path = request.url.path
         if path.endswith("/v1/chat/completions"):
             chat = True
@@ -429,6 +435,8 @@ class OpenAIIngress:
                         first = await gen.__anext__()
                     except StopAsyncIteration:
                         first = None
+                    if first is not None:
+                        self.first_chunks += 1
                     _first_token()
                     return StreamingResponse(_chain(first, gen), media_type="text/event-stream", headers=headers)
                 out = await self.engine.complete.remote(req)
