@@ -2,7 +2,7 @@
 engines (the bed, docs/e2e.md), with bench_real_engines.py's seeded multi-turn chat workload, streamed.
 
     KVROUTE_E2E_BED=.e2e flock /work/e2e.lock .e2e/venv/bin/python benches/bench_integrations.py --json
-        [--integrations litellm,ray] [--num-blocks 192] [--conversations 64] [--turns 6] [--clients 6] [--prefill-tokens-per-s N]
+        [--integrations litellm,ray] [--num-blocks 192] [--conversations 64] [--turns 6] [--clients 6] [--prefill-tokens-per-s N] [--decode-model calibrate|off|STEP_S,TOKENS_PER_S]
 
 LiteLLM 1.110 (``litellm.Router`` in this process): kvroute's ``KvrouteStrategy`` (exact mode, KV
 events, engine /metrics) vs ``routing_strategy="simple-shuffle"`` (the default) and ``"least-busy"``.
@@ -11,7 +11,10 @@ routers route at once): ``KvrouteRequestRouter`` vs Ray's ``PrefixCacheAffinityR
 power-of-two-choices; kvroute also with 1 ingress replica (one router), to see what a second router costs.
 kvroute's Router is told the engines' prefill speed (``prefill_tokens_per_s``), calibrated first on cold
 prompts unless given (on this bed it measured ~24,500 tokens/s, close to the Router's 20,000 default: the
-tiny model prefills fast, and TTFT is mostly queueing and HTTP). ``--kvroute-policy`` picks the Router policy.
+tiny model prefills fast, and TTFT is mostly queueing and HTTP), and their decode step model (``decode_step_s``,
+``decode_tokens_per_s``; calibrate_decode), from which its default policy charges the step a new prefill runs in
+beside the requests already on an engine (``--decode-model off``: the Router sees no decode interference, as before
+2026-12-02). ``--kvroute-policy`` picks the Router policy.
 
 Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
 (the engines' prefix-cache hits / queries deltas), "ttft_p50_ms", "ttft_p99_ms" (client, to the first
@@ -85,6 +88,45 @@ def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words:
             out = e.complete({"prompt": prompt, "max_tokens": 1, "temperature": 0})
             speeds.append(out["usage"]["prompt_tokens"] / (time.perf_counter() - t0))
     return float(statistics.median(speeds))
+
+
+def calibrate_decode(engine: Engine, words: list[str], batch: int = 6, tokens: int = 64) -> tuple[float, float]:
+    """The engine's decode step model for the Router, ``TPOT(b) = decode_step_s + b / decode_tokens_per_s``:
+    ``tokens`` tokens decoded (``ignore_eos``, short prompts) by 1 and then by ``batch`` concurrent
+    requests; each request's wall time over its tokens is its TPOT (the prefill of a short prompt is a
+    step among ``tokens``), and the line through the two medians gives ``(decode_step_s,
+    decode_tokens_per_s)``. On a unified engine every step runs each decoding request beside any
+    prefill, which is what the Router's ``step_time`` charges (docs/router.md)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(2)
+
+    def one(_: int) -> float:
+        prompt = " ".join(rng.choice(words) for _ in range(8))
+        t0 = time.perf_counter()
+        out = engine.complete({"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0})
+        return (time.perf_counter() - t0) / max(1, out["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(batch) as pool:
+        solo = statistics.median([one(0) for _ in range(3)])
+        many = statistics.median(x for _ in range(2) for x in pool.map(one, range(batch)))
+    per_request = max(many - solo, 1e-6) / (batch - 1)
+    return max(solo - per_request, 0.0), 1.0 / per_request
+
+
+def parse_decode_model(spec: str, engine: Engine, words: list[str]) -> dict[str, float]:
+    """``--decode-model``: the EngineRouter arguments it stands for (empty for 'off')."""
+    if spec == "off":
+        return {}
+    if spec == "calibrate":
+        step, rate = calibrate_decode(engine, words)
+    else:
+        try:
+            step, rate = (float(x) for x in spec.split(","))
+        except ValueError:
+            raise SystemExit(f"--decode-model: 'calibrate', 'off' or STEP_S,TOKENS_PER_S, got {spec!r}") from None
+    return {"decode_step_s": round(step, 5), "decode_tokens_per_s": round(rate, 1)}
 
 
 class ExplainingRouter:
@@ -171,6 +213,7 @@ def run_litellm(
     prefill: float,
     kv_policy: str | None,
     diag: bool = False,
+    decode: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     import litellm
     from kvroute.engines import EngineRouter
@@ -197,6 +240,7 @@ def run_litellm(
                     block_size=BLOCK_SIZE,
                     metrics_interval=0.5,
                     prefill_tokens_per_s=prefill,
+                    **(decode or {}),
                     **({"policy": kv_policy} if kv_policy else {}),
                 )
                 if diag:
@@ -214,7 +258,7 @@ def run_litellm(
                 er.close()
         rows.append(summarise("litellm", policy, 1, engines, res, before, after))
         if policy == "kvroute":
-            rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack")
+            rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack", decode_model=decode or None)
             if er is not None and isinstance(er.leases.router, ExplainingRouter):
                 rows[-1]["diag"] = er.leases.router.summary()
         print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
@@ -232,7 +276,13 @@ RAY_POLICIES = {
 
 
 def run_ray(
-    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], prefill: float, kv_policy: str | None
+    engines: list[Engine],
+    convs: list[Conversation],
+    clients: int,
+    policies: list[str],
+    prefill: float,
+    kv_policy: str | None,
+    decode: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     import ray
     from kvroute.integrations.ray_serve import build_app
@@ -257,6 +307,7 @@ def run_ray(
                     "block_size": BLOCK_SIZE,
                     "metrics_interval": 0.5,
                     "prefill_tokens_per_s": prefill,
+                    **(decode or {}),
                     **({"policy": kv_policy} if kv_policy else {}),
                 }
             serve.run(
@@ -271,7 +322,7 @@ def run_ray(
             serve.delete("bench")
             rows.append(summarise("ray", policy, ingresses, engines, res, before, after))
             if policy == "kvroute":
-                rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack")
+                rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack", decode_model=decode or None)
             print(f"ray {policy} x{ingresses}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
@@ -308,6 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="kvroute's prefill speed per engine (default: calibrated on the engines, see calibrate_prefill; 0 = kvroute's own default)",
     )
+    ap.add_argument(
+        "--decode-model",
+        default="calibrate",
+        help="kvroute's decode step model per engine: 'calibrate' (default, see calibrate_decode), 'off' (none:"
+        " the Router sees no decode interference), or STEP_S,TOKENS_PER_S",
+    )
     ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--diag", action="store_true", help="LiteLLM kvroute: count the routes that left the best-cached engine (explain)")
@@ -327,14 +384,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill = a.prefill_tokens_per_s if a.prefill_tokens_per_s is not None else calibrate_prefill(engines, words)
         prefill = prefill or 20000.0  # 0: the Router's default
         print(f"kvroute prefill_tokens_per_s = {prefill:.0f}", file=sys.stderr, flush=True)
+        decode = parse_decode_model(a.decode_model, engines[0], words)
+        print(f"kvroute decode model = {decode}", file=sys.stderr, flush=True)
         if "litellm" in wanted:
-            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy, a.diag)
+            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy, a.diag, decode)
         if "ray" in wanted:
-            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill, a.kvroute_policy)
+            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill, a.kvroute_policy, decode)
     print(
         f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, {a.conversations} conversations"
         f" x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, {a.clients} clients, max_tokens {MAX_TOKENS},"
-        f" seed {a.seed}; kvroute prefill_tokens_per_s {prefill:.0f}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f} s in all"
+        f" seed {a.seed}; kvroute prefill_tokens_per_s {prefill:.0f}, decode model {decode}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t0:.0f} s in all"
     )
     print_table(rows)
     if a.json:

@@ -229,6 +229,24 @@ def test_engine_router_bad_engines() -> None:
         er.add("a", "http://127.0.0.1:9000")
     er.remove("a")
     assert er.get("a") is None and er.router.workers() == []
+    with pytest.raises(ValueError, match="decode_tokens_per_s"):
+        EngineRouter(decode_tokens_per_s=0.0)
+
+
+def test_engine_router_decode_speed_charges_the_step_beside_running_requests() -> None:
+    """Engines registered with a decode speed: a new prefill runs in a step with every request
+    already on that engine, so a busier engine's cached prefix can lose to a recompute elsewhere."""
+    er = EngineRouter(block_size=16, decode_tokens_per_s=200.0, decode_step_s=0.01, pending_prefixes=False)
+    for key in ("a", "b"):
+        er.add(key, f"http://127.0.0.1:{ord(key) + 8000}")
+    assert [er.router.load(w)["decode_tokens_per_s"] for w in (0, 1)] == [200.0, 200.0]
+    h = _hashes(30, blocks=36)  # 576 tokens; "a" will hold 512 of them
+    er.router.index.store(0, h[:32])
+    er.router.observe(0, running=8)  # step 0.01 + 8 / 200 = 50 ms against 10 ms: 40 ms > 25.6 ms of recompute
+    d = er.router.route(hashes=h, num_tokens=576, explain=True)
+    assert d.worker == 1 and [round(s["step_time"], 6) for s in d.explain] == [0.05, 0.01]
+    er.router.observe(0, running=2)
+    assert er.router.route(hashes=h, num_tokens=576).worker == 0
 
 
 def test_engine_metrics_feed_the_router() -> None:

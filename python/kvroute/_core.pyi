@@ -114,6 +114,7 @@ class WorkerScore(TypedDict):
     queue_delay: float
     prefill_time: float
     transfer_time: float
+    step_time: float
     predicted_ttft: float
     in_flight: int
     score: float

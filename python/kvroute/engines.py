@@ -61,7 +61,11 @@ class EngineRouter:
     reports back holds load; ``metrics_interval`` (seconds, ``None`` = off) polls each engine's
     /metrics into ``Router.observe``, which is how load caused by other routers (other LiteLLM or
     Ray processes) is seen. ``failure_cooldown``: an engine a request failed on gets no new requests
-    for that long, unless it is the only candidate. ``router_kwargs`` go to ``kvroute.Router``.
+    for that long, unless it is the only candidate. ``decode_tokens_per_s`` (``None`` = unknown)
+    registers the engines' decode speed: the Router's TPOT model, ``decode_step_s + batch /
+    decode_tokens_per_s`` (``decode_step_s`` is a Router argument), and on these unified engines the
+    step a new prefill runs in beside the requests already there, which the default policy charges
+    (docs/router.md, "Load model"). ``router_kwargs`` go to ``kvroute.Router``.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class EngineRouter:
         hash_seed: int = 1337,
         topic: str = "",
         prefill_tokens_per_s: float = 20000.0,
+        decode_tokens_per_s: float | None = None,
         lease_ttl: float = 600.0,
         approx_ttl: float = 120.0,
         metrics_interval: float | None = None,
@@ -88,7 +93,10 @@ class EngineRouter:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.topic = topic
+        if decode_tokens_per_s is not None and not decode_tokens_per_s > 0:
+            raise ValueError(f"decode_tokens_per_s must be > 0 or None, got {decode_tokens_per_s}")
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_tokens_per_s = decode_tokens_per_s
         self.metrics_interval = metrics_interval
         self.failure_cooldown = failure_cooldown
         self.clock = clock
@@ -129,7 +137,7 @@ class EngineRouter:
                 return old
             e = Engine(key, url, self._next_worker, kv_events, kv_events_replay)
             self._next_worker += 1
-            self.router.add_worker(e.worker, prefill_tokens_per_s=self.prefill_tokens_per_s)
+            self.router.add_worker(e.worker, prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
             self._engines[key] = e
             self._by_worker[e.worker] = e
             if kv_events:

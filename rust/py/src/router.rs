@@ -499,6 +499,7 @@ impl PyDecision {
             d.set_item("queue_delay", r.queue_delay)?;
             d.set_item("prefill_time", r.prefill_time)?;
             d.set_item("transfer_time", r.transfer_time)?;
+            d.set_item("step_time", r.step_time)?;
             d.set_item("predicted_ttft", r.predicted_ttft)?;
             d.set_item("in_flight", r.in_flight)?;
             d.set_item("score", r.score)?;

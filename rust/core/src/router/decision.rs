@@ -98,7 +98,10 @@ pub struct Candidate {
     pub prefill_time: f64,
     /// KV transfer to the decode worker (PD mode), else 0.
     pub transfer_time: f64,
-    /// queue_delay + prefill_time + transfer_time.
+    /// A unified worker (role "both") registered with `decode_tokens_per_s`: the engine step the prefill runs in also runs the
+    /// requests decoding there, `decode_step_s + in_flight / decode_tokens_per_s`; else 0.
+    pub step_time: f64,
+    /// queue_delay + prefill_time + transfer_time + step_time.
     pub predicted_ttft: f64,
     pub in_flight: u32,
     /// Requests waiting for (or in) prefill here: our own count, or the engine's report when larger.
@@ -129,6 +132,7 @@ pub struct WorkerBreakdown {
     pub queue_delay: f64,
     pub prefill_time: f64,
     pub transfer_time: f64,
+    pub step_time: f64,
     pub predicted_ttft: f64,
     pub in_flight: u32,
     pub score: f64,
@@ -142,6 +146,7 @@ impl From<&Candidate> for WorkerBreakdown {
             queue_delay: c.queue_delay,
             prefill_time: c.prefill_time,
             transfer_time: c.transfer_time,
+            step_time: c.step_time,
             predicted_ttft: c.predicted_ttft,
             in_flight: c.in_flight,
             score: c.score,

@@ -455,6 +455,7 @@ impl Router {
             _ => (0, 0.0),
         };
         let evict_time = if self.cfg.eviction_weight > 0.0 { w.token_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
+        let step_time = w.step_time(self.cfg.decode_step_s);
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -463,8 +464,10 @@ impl Router {
             queue_delay,
             prefill_time,
             transfer_time,
-            // The seed's ttft(i): max(busy - t, 0) + (len - hit) / SPEED, in that order.
-            predicted_ttft: queue_delay + prefill_time + transfer_time,
+            step_time,
+            // The seed's ttft(i): max(busy - t, 0) + (len - hit) / SPEED, in that order (its
+            // prefill instances decode nothing: step_time is 0 there).
+            predicted_ttft: queue_delay + prefill_time + transfer_time + step_time,
             in_flight: w.in_flight(),
             queued: w.prefilling.max(w.observed.waiting.unwrap_or(0)),
             prefill_speed: w.prefill_speed(),

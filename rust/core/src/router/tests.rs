@@ -897,3 +897,37 @@ fn a_pending_block_its_engine_removed_no_longer_counts() {
     let off = Router::new(RouterConfig { pending_prefixes: false, ..Default::default() }, Some(r.index().clone())).unwrap();
     drop(off);
 }
+
+#[test]
+fn unified_step_time_charges_the_decodes_a_prefill_runs_beside() {
+    // Two unified workers decoding at 200 tokens/s (each request in flight adds 5 ms to a step).
+    // Worker 0 holds 512 of the prompt's 576 tokens (25.6 ms of recompute at 20,000 tokens/s
+    // elsewhere) but runs 8 requests: its step is 0.01 + 8 / 200 = 50 ms against worker 1's 10 ms.
+    let make = |decode_tokens_per_s: Option<f64>| {
+        let cfg = RouterConfig { tie_break: TieBreak::Lowest, pending_prefixes: false, ..Default::default() };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..2 {
+            r.add_worker(w, WorkerSpec { decode_tokens_per_s, ..Default::default() }).unwrap();
+        }
+        r.observe(0, Observed { running: Some(8), ..Default::default() }, None, Some(0.0)).unwrap();
+        let p = prompt(50, 576);
+        store(&r, 0, &p[..512]);
+        (r, p)
+    };
+    let (r, p) = make(Some(200.0));
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 1);
+    let ex = d.explain.clone().unwrap();
+    assert!((ex[0].step_time - 0.05).abs() < 1e-12 && (ex[1].step_time - 0.01).abs() < 1e-12, "{ex:?}");
+    assert!((d.predicted_ttft - (576.0 / 20000.0 + 0.01)).abs() < 1e-12, "{d:?}");
+    // The step is latency, not queued work: the prefill queue advances by the prefill alone.
+    assert!((d.busy_until - 576.0 / 20000.0).abs() < 1e-12, "{d:?}");
+    // Fewer decodes there, and the cached prefix wins again: 0.01 + 2 / 200 = 20 ms.
+    r.observe(0, Observed { running: Some(2), ..Default::default() }, None, Some(1.0)).unwrap();
+    assert_eq!(route(&r, &p, 1.0).worker, 0);
+    // Without a decode speed (the seed's prefill instances, the simulator) there is no step term.
+    let (r, p) = make(None);
+    let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 0);
+    assert!(d.explain.unwrap().iter().all(|c| c.step_time == 0.0));
+}

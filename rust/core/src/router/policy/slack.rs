@@ -26,7 +26,9 @@ impl Slack {
     /// The cost of placing the request on `c` (seconds), `scale` = the TTFT SLO (1 without one).
     #[inline]
     pub fn cost(&self, c: &Candidate, scale: f64) -> f64 {
-        let work = c.prefill_time + c.transfer_time;
+        // The step the prefill runs in (unified engines with a known decode speed) is engine time
+        // before the first token, like the prefill: a worker whose decodes make it long is charged.
+        let work = c.prefill_time + c.transfer_time + c.step_time;
         self.queue_weight * c.queue_delay
             + self.prefill_weight * work
             + self.pressure_weight * work * (c.queue_delay + work) / scale
