@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -80,11 +81,36 @@ def bed_dir() -> Path:
     return Path(os.environ.get("KVROUTE_E2E_BED") or ROOT / ".e2e").resolve()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; the usual default elsewhere)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Not seeded: processes running side by side (CI and a developer's runs) must not draw the same ports.
+_ports = random.SystemRandom()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, for a server started later (an engine, its KV-event
+    replay socket, a gateway). Drawn below the kernel's ephemeral range: a port the kernel picks
+    (binding port 0) is one it also hands to outgoing connections, so between this check and the
+    server's bind an HTTP client or a ZMQ socket of another process could take it (CI lost a whole
+    e2e run to an engine's replay port taken that way: "Address already in use")."""
+    lo, _ = _ephemeral_range()
+    low = max(1024, lo - 16384)
+    for _ in range(256):
+        port = _ports.randrange(low, lo) if lo > low else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free TCP port on 127.0.0.1 in {low}-{lo - 1} after 256 tries")
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
