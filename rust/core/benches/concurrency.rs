@@ -31,6 +31,24 @@ fn sched_ns() -> (u64, u64) {
     (it.next().unwrap_or(0), it.next().unwrap_or(0))
 }
 
+/// With `KVROUTE_BENCH_PIN=1`: pins the calling thread to CPU `cpu` (Linux; a no-op elsewhere or
+/// when the CPU is not ours). Separates what the index costs a reader from what the OS scheduler
+/// does when the writer, waking ~15k times a second from its pacing sleep, is placed on the
+/// reader's CPU and preempts it for a store.
+fn pin_to(cpu: usize) {
+    if std::env::var_os("KVROUTE_BENCH_PIN").is_none() {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it, and
+    // sched_setaffinity(0, ...) reads it for the calling thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 /// Matches per second over `window` with `threads` readers, and the readers' matches per second
 /// of CPU time they got and share of their time spent waiting for a CPU: on a shared host, two
 /// readers can only scale as far as a second core is free, while matches per CPU-second show
@@ -43,6 +61,7 @@ fn match_rate(idx: &KvIndex, qs: &[&[u64]], threads: usize, window: Duration) ->
         for t in 0..threads {
             let (stop, total, cpu, wait) = (&stop, &total, &cpu, &wait);
             s.spawn(move || {
+                pin_to(t);
                 let (mut sc, mut out) = (MatchScratch::default(), Matches::default());
                 let mut n = 0u64;
                 let mut i = t * 7;
@@ -88,6 +107,7 @@ fn pct(xs: &[f64], q: f64) -> f64 {
 const RUNS: usize = 5;
 
 fn main() {
+    pin_to(0);
     let sessions = chat_workload(64, 1_000_000, 1);
     let idx = KvIndex::new(None);
     build(&idx, &sessions, 64);
@@ -116,6 +136,7 @@ fn main() {
             let first = next_session;
             let (busy, reached) = std::thread::scope(|s| {
                 let writer = s.spawn(|| {
+                    pin_to(1);
                     let t0 = Instant::now();
                     let mut k = first;
                     'outer: while k < writer_sessions.len() {

@@ -40,6 +40,16 @@ pub(crate) fn mix(h: u64) -> u64 {
     (r as u64) ^ ((r >> 64) as u64)
 }
 
+/// A match's recency refresh, `(clock, slack)`: the node's tick becomes `clock` if it is more
+/// than `slack` ticks older (a tick ahead of `clock`, set by a store after the match loaded it,
+/// stays).
+#[inline]
+fn refresh(n: &Node, (clock, slack): (u32, u32)) {
+    if n.tick.load(Relaxed).saturating_add(slack) < clock {
+        n.tick.store(clock, Relaxed);
+    }
+}
+
 /// One block: 24 bytes. Every field is an atomic, so that matches read nodes without the shard
 /// lock while its writer changes them. Holders and parent share one `AtomicU64` (`hp`: holders in
 /// the low half, parent in the high half), so a reader gets both in one load. The writer fills a
@@ -51,7 +61,8 @@ pub(crate) struct Node {
     hash: AtomicU64,
     /// Encoded holders (see `holders`) | parent index (or `ROOT` / `ORPHAN` / `FREE`) << 32.
     hp: AtomicU64,
-    /// Recency for eviction: the index clock when last stored or matched.
+    /// Recency for eviction: the index clock when last stored or matched (matches refresh it only
+    /// in an index with `max_nodes`, and only once it is `touch_slack` ticks stale).
     pub tick: AtomicU32,
     kids: AtomicU32,
 }
@@ -286,10 +297,10 @@ impl<'g> View<'g> {
 
     /// How many of `hashes` continue the run after node `i`: slots `i+1, i+2, ...`, each the child of
     /// the slot before it, with the very holders encoding `holders` (so a match's set of workers is
-    /// unchanged along them). Refreshes their recency to `clock`. The match's inner loop: one slice
+    /// unchanged along them). Refreshes their recency as `touch` says (see `refresh`). The match's inner loop: one slice
     /// scan per chunk, no table probe, no holder intersection.
     #[inline]
-    pub fn follow_run(&self, i: u32, hashes: &[u64], holders: Holders, clock: u32) -> usize {
+    pub fn follow_run(&self, i: u32, hashes: &[u64], holders: Holders, touch: Option<(u32, u32)>) -> usize {
         let mut n = 0;
         let mut cur = i as usize;
         while n < hashes.len() {
@@ -303,8 +314,8 @@ impl<'g> View<'g> {
                 if node.hp() != pack(holders, cur as u32) || node.hash() != h {
                     break;
                 }
-                if node.tick.load(Relaxed) != clock {
-                    node.tick.store(clock, Relaxed);
+                if let Some(t) = touch {
+                    refresh(node, t);
                 }
                 cur += 1;
                 n += 1;
@@ -319,11 +330,9 @@ impl<'g> View<'g> {
     /// Refreshes node `i`'s recency (a store only when it changes, so that matches of the same
     /// blocks on two cores do not keep moving their cache lines between them).
     #[inline]
-    pub fn touch(&self, i: u32, clock: u32) {
+    pub fn touch(&self, i: u32, touch: (u32, u32)) {
         if let Some(n) = self.node(i) {
-            if n.tick.load(Relaxed) != clock {
-                n.tick.store(clock, Relaxed);
-            }
+            refresh(n, touch);
         }
     }
 
