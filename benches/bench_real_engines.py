@@ -38,6 +38,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -413,6 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "round_robin (= kvroute:round_robin), sglang, vllm",
     )
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
+    ap.add_argument(
+        "--kvroute-args",
+        default="",
+        help="extra arguments for every kvroute gateway, e.g. '--prefill-tokens-per-s 4500' (the shadow Routers keep the defaults)",
+    )
     a = ap.parse_args(argv)
 
     bed = Bed()
@@ -425,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = [int(x) for x in a.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds: expected comma-separated integers, got {a.seeds!r}")
-    exact = ["--tokenizer", str(bed.model), "--log-level", "warning"]
+    exact = ["--tokenizer", str(bed.model), "--log-level", "warning", *shlex.split(a.kvroute_args)]
     wanted = a.routers.split(",")
     known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
     bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]
