@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +116,56 @@ def calibrate_decode(engine: Engine, words: list[str], batch: int = 6, tokens: i
     return max(solo - per_request, 0.0), 1.0 / per_request
 
 
-def parse_decode_model(spec: str, engine: Engine, words: list[str]) -> dict[str, float]:
-    """``--decode-model``: the EngineRouter arguments it stands for (empty for 'off')."""
+def decode_model(step: float, rate: float) -> dict[str, float]:
+    """The EngineRouter arguments of a decode step model."""
+    return {"decode_step_s": round(step, 5), "decode_tokens_per_s": round(rate, 1)}
+
+
+def parse_decode_model(spec: str) -> dict[str, float] | None:
+    """``--decode-model``, checked before any engine starts: the EngineRouter arguments it stands
+    for, empty for 'off', None for 'calibrate' (calibrate_decode, once the engines run)."""
     if spec == "off":
         return {}
     if spec == "calibrate":
-        step, rate = calibrate_decode(engine, words)
-    else:
-        try:
-            step, rate = (float(x) for x in spec.split(","))
-        except ValueError:
-            raise SystemExit(f"--decode-model: 'calibrate', 'off' or STEP_S,TOKENS_PER_S, got {spec!r}") from None
-    return {"decode_step_s": round(step, 5), "decode_tokens_per_s": round(rate, 1)}
+        return None
+    try:
+        step, rate = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--decode-model: 'calibrate', 'off' or STEP_S,TOKENS_PER_S, got {spec!r}") from None
+    if not (step >= 0 and rate > 0):
+        raise SystemExit(f"--decode-model: STEP_S must be >= 0 and TOKENS_PER_S > 0, got {spec!r}")
+    return decode_model(step, rate)
+
+
+@dataclass(frozen=True)
+class KvrouteSettings:
+    """kvroute's EngineRouter settings, one set for every run, LiteLLM's and Ray's alike (before
+    2026-12-02 the Ray routers got neither the calibrated prefill speed nor --kvroute-policy,
+    whatever the row said)."""
+
+    tokenizer: str
+    prefill_tokens_per_s: float
+    policy: str | None
+    decode: dict[str, float]
+
+    def kwargs(self) -> dict[str, Any]:
+        """``EngineRouter`` keyword arguments (Ray: ``request_router_kwargs``)."""
+        return {
+            "tokenizer": self.tokenizer,
+            "block_size": BLOCK_SIZE,
+            "metrics_interval": 0.5,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            **self.decode,
+            **({"policy": self.policy} if self.policy else {}),
+        }
+
+    def row(self) -> dict[str, Any]:
+        """What a kvroute run's JSON line reports of them."""
+        return {
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
+            "kvroute_policy": self.policy or "slack",
+            "decode_model": self.decode or None,
+        }
 
 
 class ExplainingRouter:
@@ -210,10 +249,8 @@ def run_litellm(
     convs: list[Conversation],
     clients: int,
     policies: list[str],
-    prefill: float,
-    kv_policy: str | None,
+    kv: KvrouteSettings,
     diag: bool = False,
-    decode: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     import litellm
     from kvroute.engines import EngineRouter
@@ -235,14 +272,7 @@ def run_litellm(
         try:
             if policy == "kvroute":
                 router = litellm.Router(model_list=model_list, num_retries=0)
-                er = EngineRouter(
-                    tokenizer=str(engines[0].bed.model),
-                    block_size=BLOCK_SIZE,
-                    metrics_interval=0.5,
-                    prefill_tokens_per_s=prefill,
-                    **(decode or {}),
-                    **({"policy": kv_policy} if kv_policy else {}),
-                )
+                er = EngineRouter(**kv.kwargs())
                 if diag:
                     er.leases.router = ExplainingRouter(er.router)
                 router.register_plugin(KvrouteStrategy(router, er))
@@ -258,7 +288,7 @@ def run_litellm(
                 er.close()
         rows.append(summarise("litellm", policy, 1, engines, res, before, after))
         if policy == "kvroute":
-            rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack", decode_model=decode or None)
+            rows[-1].update(kv.row())
             if er is not None and isinstance(er.leases.router, ExplainingRouter):
                 rows[-1]["diag"] = er.leases.router.summary()
         print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
@@ -276,13 +306,7 @@ RAY_POLICIES = {
 
 
 def run_ray(
-    engines: list[Engine],
-    convs: list[Conversation],
-    clients: int,
-    policies: list[str],
-    prefill: float,
-    kv_policy: str | None,
-    decode: dict[str, float] | None = None,
+    engines: list[Engine], convs: list[Conversation], clients: int, policies: list[str], kv: KvrouteSettings
 ) -> list[dict[str, Any]]:
     import ray
     from kvroute.integrations.ray_serve import build_app
@@ -298,18 +322,7 @@ def run_ray(
         for policy, ingresses in runs:
             reset(engines)
             cls = RAY_POLICIES[policy]
-            kwargs: dict[str, Any] = {}
-            if policy == "kvroute":
-                # The same settings as the LiteLLM run's EngineRouter (before 2026-12-02 the Ray routers
-                # got neither the calibrated prefill speed nor --kvroute-policy, whatever the row said).
-                kwargs = {
-                    "tokenizer": str(engines[0].bed.model),
-                    "block_size": BLOCK_SIZE,
-                    "metrics_interval": 0.5,
-                    "prefill_tokens_per_s": prefill,
-                    **(decode or {}),
-                    **({"policy": kv_policy} if kv_policy else {}),
-                }
+            kwargs = kv.kwargs() if policy == "kvroute" else {}
             serve.run(
                 build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
                 name="bench",
@@ -322,7 +335,7 @@ def run_ray(
             serve.delete("bench")
             rows.append(summarise("ray", policy, ingresses, engines, res, before, after))
             if policy == "kvroute":
-                rows[-1].update(prefill_tokens_per_s=round(prefill), kvroute_policy=kv_policy or "slack", decode_model=decode or None)
+                rows[-1].update(kv.row())
             print(f"ray {policy} x{ingresses}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
@@ -375,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"bench_integrations: {why}", file=sys.stderr)
         return 2
+    decode = parse_decode_model(a.decode_model)
     words = vocabulary(bed.model)
     convs = workload(words, a.systems, a.conversations, a.turns, a.seed)
     wanted = a.integrations.split(",")
@@ -384,12 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill = a.prefill_tokens_per_s if a.prefill_tokens_per_s is not None else calibrate_prefill(engines, words)
         prefill = prefill or 20000.0  # 0: the Router's default
         print(f"kvroute prefill_tokens_per_s = {prefill:.0f}", file=sys.stderr, flush=True)
-        decode = parse_decode_model(a.decode_model, engines[0], words)
+        if decode is None:
+            decode = decode_model(*calibrate_decode(engines[0], words))
         print(f"kvroute decode model = {decode}", file=sys.stderr, flush=True)
+        kv = KvrouteSettings(str(bed.model), prefill, a.kvroute_policy, decode)
         if "litellm" in wanted:
-            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), prefill, a.kvroute_policy, a.diag, decode)
+            rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), kv, a.diag)
         if "ray" in wanted:
-            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), prefill, a.kvroute_policy, decode)
+            rows += run_ray(engines, convs, a.clients, a.ray_policies.split(","), kv)
     print(
         f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, {a.conversations} conversations"
         f" x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, {a.clients} clients, max_tokens {MAX_TOKENS},"

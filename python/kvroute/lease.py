@@ -179,12 +179,13 @@ class LeaseTable:
                 return False
             lease.outcome = outcome
             self.counts[outcome] += 1
+            bounded = not lease.prefilled and outcome in ("finished", "expired")
+            if bounded:
+                self.counts["no_first_token"] += 1
         if outcome in ("failed", "cancelled") and not lease.prefilled:
             self._call(self.router.cancel, ticket)
             return True
-        if not lease.prefilled:
-            with self._lock:
-                self.counts["no_first_token"] += 1
+        if bounded:
             due = min(self.router.clock(), lease.first_token_due)
             self._call(lambda t: self.router.prefill_done(t, now=due), ticket)
         self._call(self.router.finished, ticket)

@@ -297,8 +297,8 @@ impl<'g> View<'g> {
 
     /// How many of `hashes` continue the run after node `i`: slots `i+1, i+2, ...`, each the child of
     /// the slot before it, with the very holders encoding `holders` (so a match's set of workers is
-    /// unchanged along them). Refreshes their recency as `touch` says (see `refresh`). The match's inner loop: one slice
-    /// scan per chunk, no table probe, no holder intersection.
+    /// unchanged along them). Refreshes their recency as `touch` says (see `refresh`). The match's
+    /// inner loop: one slice scan per chunk, no table probe, no holder intersection.
     #[inline]
     pub fn follow_run(&self, i: u32, hashes: &[u64], holders: Holders, touch: Option<(u32, u32)>) -> usize {
         let mut n = 0;
@@ -327,8 +327,8 @@ impl<'g> View<'g> {
         n
     }
 
-    /// Refreshes node `i`'s recency (a store only when it changes, so that matches of the same
-    /// blocks on two cores do not keep moving their cache lines between them).
+    /// Refreshes node `i`'s recency as `touch` says (see `refresh`: a store only when it is stale,
+    /// so that matches and stores on two cores do not keep moving its cache line between them).
     #[inline]
     pub fn touch(&self, i: u32, touch: (u32, u32)) {
         if let Some(n) = self.node(i) {

@@ -98,8 +98,9 @@ pub struct Candidate {
     pub prefill_time: f64,
     /// KV transfer to the decode worker (PD mode), else 0.
     pub transfer_time: f64,
-    /// A unified worker (role "both") registered with `decode_tokens_per_s`: the engine step the prefill runs in also runs the
-    /// requests decoding there, `decode_step_s + in_flight / decode_tokens_per_s`; else 0.
+    /// A unified worker (role "both") registered with `decode_tokens_per_s`: the engine step the
+    /// prefill runs in also runs the requests decoding there, `decode_step_s + in_flight /
+    /// decode_tokens_per_s`; else 0.
     pub step_time: f64,
     /// queue_delay + prefill_time + transfer_time + step_time.
     pub predicted_ttft: f64,
