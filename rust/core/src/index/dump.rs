@@ -57,7 +57,7 @@ impl KvIndex {
                 pos[i as usize] = k as u32;
                 let n = g.node(i);
                 out.extend_from_slice(&n.hash().to_le_bytes());
-                out.extend_from_slice(&n.tick.load(Relaxed).to_le_bytes());
+                out.extend_from_slice(&g.nodes.tick(i as usize).to_le_bytes());
                 match n.parent() {
                     ROOT => out.push(0),
                     ORPHAN => {

@@ -105,8 +105,8 @@ struct PaddedShard {
 }
 
 impl PaddedShard {
-    fn new() -> Self {
-        let shard = Shard::default();
+    fn new(recency: bool) -> Self {
+        let shard = Shard::new(recency);
         PaddedShard { shared: shard.shared.clone(), _line: CacheLine, lock: RwLock::new(shard) }
     }
 }
@@ -229,7 +229,7 @@ impl KvIndex {
     pub fn new(max_nodes: Option<usize>) -> Self {
         let released = std::sync::mpsc::channel();
         KvIndex {
-            shards: (0..NUM_SHARDS).map(|_| PaddedShard::new()).collect(),
+            shards: (0..NUM_SHARDS).map(|_| PaddedShard::new(max_nodes.is_some())).collect(),
             slot_ids: crossbeam_epoch::Atomic::new(Vec::new()),
             max_nodes,
             touch_slack: max_nodes.map_or(0, |n| (n >> 16).min(u32::MAX as usize) as u32),
@@ -346,7 +346,7 @@ impl KvIndex {
             return upgrade_spinning(ug);
         }
         let grown = (ug.table_room() < n).then(|| ug.grown_table(n));
-        let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::fresh_chunks(n));
+        let chunks = (ug.slab_room() < n && ug.nodes.spare() == 0).then(|| slab::Slab::fresh_chunks(n, ug.nodes.keeps_recency()));
         let mut g = upgrade_spinning(ug);
         if let Some(t) = grown {
             g.set_table(t);
@@ -489,7 +489,7 @@ impl KvIndex {
                     if g.node(i).parent() != prev && !(prev == ORPHAN && g.node(i).parent() == ORPHAN) {
                         self.counters.parent_mismatches.fetch_add(1, Relaxed);
                     }
-                    g.node(i).tick.store(tick, Relaxed);
+                    g.nodes.set_tick(i as usize, tick);
                     i
                 }
                 true => {
@@ -593,7 +593,8 @@ impl KvIndex {
                 if g.is_live(oi) && g.node(oi).parent() == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
                     g.orphan_parent.remove(&oi);
                     g.nodes[oi as usize].set_parent(pi);
-                    g.nodes[pi as usize].set_children(g.nodes[pi as usize].children() + 1);
+                    let c = g.nodes.children(pi as usize);
+                    g.nodes.set_children(pi as usize, c + 1);
                 }
             } else {
                 self.migrate_orphan(os, oi, s, h);
@@ -627,7 +628,7 @@ impl KvIndex {
         let mut moved_nodes = 0isize;
         for &i in &sub {
             let n = src.node(i);
-            let (h, tick) = (n.hash(), n.tick.load(Relaxed));
+            let (h, tick) = (n.hash(), src.nodes.tick(i as usize));
             let new_parent = if i == oi { pi } else { map[&n.parent()] };
             let j = match dst.find(h) {
                 Some(j) => j,
@@ -948,8 +949,8 @@ impl KvIndex {
         for s in 0..NUM_SHARDS {
             let g = self.shard(s).read();
             for (i, n) in g.nodes.iter().enumerate() {
-                if n.parent() != FREE && n.children() == 0 {
-                    heap.push(Reverse((n.tick.load(Relaxed), s as u32, i as u32)));
+                if n.parent() != FREE && n.kids_class() == 0 {
+                    heap.push(Reverse((g.nodes.tick(i), s as u32, i as u32)));
                 }
             }
         }
@@ -957,10 +958,10 @@ impl KvIndex {
         while self.nodes.load(Relaxed) > target {
             let Some(Reverse((tick, s, i))) = heap.pop() else { break };
             let mut g = write_spinning(self.shard(s as usize));
-            if !g.is_live(i) || g.node(i).children() != 0 {
+            if !g.is_live(i) || g.node(i).kids_class() != 0 {
                 continue;
             }
-            let now = g.node(i).tick.load(Relaxed);
+            let now = g.nodes.tick(i as usize);
             if now != tick {
                 heap.push(Reverse((now, s, i)));
                 continue;
@@ -970,12 +971,12 @@ impl KvIndex {
             evicted += 1;
             if parent < FREE {
                 let p = g.node(parent);
-                if p.children() == 0 {
+                if p.kids_class() == 0 {
                     if holders::is_empty(p.holders()) {
                         let d = g.prune(parent);
                         self.nodes.fetch_sub(d, Relaxed);
                     } else {
-                        heap.push(Reverse((p.tick.load(Relaxed), s, parent)));
+                        heap.push(Reverse((g.nodes.tick(parent as usize), s, parent)));
                     }
                 }
             }

@@ -14,13 +14,19 @@ use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use super::holders::{self, HolderArena, Holders, SetDir, TierMask};
 use super::slab::{ChunkDir, Slab};
 use super::table::{self, Table};
+/// Bits of a node's parent index (the rest of its `hp` word's high half holds its child class).
+pub(crate) const PARENT_BITS: u32 = 30;
+const PARENT_MASK: u64 = (1 << PARENT_BITS) - 1;
+/// `hp`'s child-class bits: 0, 1 or 2 children, or 3 for "3 or more, counted in the slab".
+const KIDS_SHIFT: u32 = 32 + PARENT_BITS;
+const KIDS_MASK: u64 = 3 << KIDS_SHIFT;
 /// `Node::parent` of a block 0 (a root of the tree).
-pub(crate) const ROOT: u32 = u32::MAX;
+pub(crate) const ROOT: u32 = (1 << PARENT_BITS) - 1;
 /// `Node::parent` of a chain stored under a parent the index has never seen.
-pub(crate) const ORPHAN: u32 = u32::MAX - 1;
+pub(crate) const ORPHAN: u32 = ROOT - 1;
 /// `Node::parent` of a free slab slot.
-pub(crate) const FREE: u32 = u32::MAX - 2;
-/// `Node::children` of a free slot kept for the run that ends just before it (see
+pub(crate) const FREE: u32 = ROOT - 2;
+/// Child count of a free slot kept for the run that ends just before it (see
 /// `Shard::slot_under`); slots on the free list have 0.
 const RESERVED: u32 = 1;
 /// Longest run tail a store moves to grow a run in place, and the most slots a run reserves.
@@ -30,7 +36,7 @@ const MIN_RUN: usize = 8;
 /// Free slots beyond the live node count at which runs stop moving to the end of the slab.
 const HOLES_ALLOWED: usize = 1024;
 /// Largest node index a shard hands out.
-pub(crate) const MAX_NODES_PER_SHARD: usize = (u32::MAX - 3) as usize;
+pub(crate) const MAX_NODES_PER_SHARD: usize = (FREE - 1) as usize;
 
 /// Mixes a hash for table placement: folded 128-bit multiply, so that small sequential ids
 /// (such as Mooncake's `hash_ids`) spread as well as xxh3 outputs do.
@@ -40,41 +46,41 @@ pub(crate) fn mix(h: u64) -> u64 {
     (r as u64) ^ ((r >> 64) as u64)
 }
 
-/// A match's recency refresh, `(clock, slack)`: the node's tick becomes `clock` if it is more
-/// than `slack` ticks older (a tick ahead of `clock`, set by a store after the match loaded it,
-/// stays).
+/// A match's recency refresh, `(clock, slack)`: the tick becomes `clock` if it is more than
+/// `slack` ticks older (a tick ahead of `clock`, set by a store after the match loaded it, stays).
 #[inline]
-fn refresh(n: &Node, (clock, slack): (u32, u32)) {
-    if n.tick.load(Relaxed).saturating_add(slack) < clock {
-        n.tick.store(clock, Relaxed);
+fn refresh(t: &AtomicU32, (clock, slack): (u32, u32)) {
+    if t.load(Relaxed).saturating_add(slack) < clock {
+        t.store(clock, Relaxed);
     }
 }
 
-/// One block: 24 bytes. Every field is an atomic, so that matches read nodes without the shard
-/// lock while its writer changes them. Holders and parent share one `AtomicU64` (`hp`: holders in
-/// the low half, parent in the high half), so a reader gets both in one load. The writer fills a
-/// slot hash first, then tick and child count, then `hp` (release); it frees a slot by storing
-/// (no holders, `FREE`) in `hp`. A reader that loads `hp` (acquire) and then the hash, and finds
-/// hash and parent as it expects, has the holders of that very block: a slot freed and refilled
-/// under it shows the new hash to whoever saw the new `hp` (see `View::is_child`).
+/// One block: 16 bytes, two atomics, so that matches read nodes without the shard lock while
+/// its writer changes them. `hp` holds the encoded holders (low half), the parent index (30
+/// bits) and the child class (top 2 bits: 0, 1, 2 children, or 3 for "3 or more", whose count
+/// the slab keeps aside), so a reader gets holders and parent in one load. Recency lives beside
+/// the nodes, in the slab, and only in an index with `max_nodes` (the only reader of it). The
+/// writer fills a slot hash first, then `hp` (release); it frees a slot by storing (no holders,
+/// `FREE`) in `hp`. A reader that loads `hp` (acquire) and then the hash, and finds hash and
+/// parent as it expects, has the holders of that very block: a slot freed and refilled under it
+/// shows the new hash to whoever saw the new `hp` (see `View::is_child`).
 pub(crate) struct Node {
     hash: AtomicU64,
-    /// Encoded holders (see `holders`) | parent index (or `ROOT` / `ORPHAN` / `FREE`) << 32.
     hp: AtomicU64,
-    /// Recency for eviction: the index clock when last stored or matched (matches refresh it only
-    /// in an index with `max_nodes`, and only once it is `touch_slack` ticks stale).
-    pub tick: AtomicU32,
-    kids: AtomicU32,
 }
+
+const _: () = assert!(std::mem::size_of::<Node>() == 16);
 
 #[inline]
 pub(crate) fn pack(holders: Holders, parent: u32) -> u64 {
+    debug_assert!(parent as u64 <= PARENT_MASK);
     holders as u64 | (parent as u64) << 32
 }
 
+/// (holders, parent) of an `hp` word.
 #[inline]
 pub(crate) fn unpack(hp: u64) -> (Holders, u32) {
-    (hp as u32, (hp >> 32) as u32)
+    (hp as u32, ((hp >> 32) & PARENT_MASK) as u32)
 }
 
 /// A node's fields as plain values, for writing a slot in one go.
@@ -95,62 +101,60 @@ impl NodeVal {
 
 impl Node {
     pub fn free() -> Node {
-        Node { hash: AtomicU64::new(0), hp: AtomicU64::new(pack(holders::EMPTY, FREE)), tick: AtomicU32::new(0), kids: AtomicU32::new(0) }
+        Node { hash: AtomicU64::new(0), hp: AtomicU64::new(pack(holders::EMPTY, FREE)) }
     }
     #[inline]
     pub fn hash(&self) -> u64 {
         self.hash.load(Acquire)
     }
-    /// (holders, parent) in one load.
+    /// The `hp` word without its child class: (holders, parent) as `pack` makes them.
     #[inline]
     pub fn hp(&self) -> u64 {
-        self.hp.load(Acquire)
+        self.hp.load(Acquire) & !KIDS_MASK
     }
     #[inline]
     pub fn holders(&self) -> Holders {
-        self.hp() as u32
+        self.hp.load(Acquire) as u32
     }
     #[inline]
     pub fn parent(&self) -> u32 {
-        (self.hp() >> 32) as u32
+        unpack(self.hp.load(Acquire)).1
     }
+    /// 0, 1, 2, or 3 for "3 or more" (`Slab::children` has the count).
     #[inline]
-    pub fn children(&self) -> u32 {
-        self.kids.load(Relaxed)
+    pub(crate) fn kids_class(&self) -> u32 {
+        (self.hp.load(Relaxed) >> KIDS_SHIFT) as u32
     }
     /// Writer only (the one writer changes `hp`, so load-then-store loses nothing).
     #[inline]
     pub fn set_holders(&self, h: Holders) {
-        let (_, p) = unpack(self.hp.load(Relaxed));
-        self.hp.store(pack(h, p), Release);
+        let old = self.hp.load(Relaxed);
+        self.hp.store((old & !(u32::MAX as u64)) | h as u64, Release);
     }
     /// Writer only.
     #[inline]
     pub fn set_parent(&self, p: u32) {
-        let (h, _) = unpack(self.hp.load(Relaxed));
-        self.hp.store(pack(h, p), Release);
+        debug_assert!(p as u64 <= PARENT_MASK);
+        let old = self.hp.load(Relaxed);
+        self.hp.store((old & !(PARENT_MASK << 32)) | (p as u64) << 32, Release);
     }
+    /// Writer only: the child class (0..=3).
     #[inline]
-    pub fn set_children(&self, c: u32) {
-        self.kids.store(c, Relaxed);
+    pub(crate) fn set_kids_class(&self, c: u32) {
+        debug_assert!(c <= 3);
+        let old = self.hp.load(Relaxed);
+        self.hp.store((old & !KIDS_MASK) | (c as u64) << KIDS_SHIFT, Release);
     }
-    pub fn val(&self) -> NodeVal {
-        let (holders, parent) = unpack(self.hp());
-        NodeVal { hash: self.hash(), holders, tick: self.tick.load(Relaxed), parent, children: self.children() }
-    }
-    /// Writes a slot (see the type's docs for the order).
+    /// Writes a slot's hash and `hp` (see the type's docs for the order); `kids` is the class.
     #[inline]
-    pub fn fill(&self, v: NodeVal) {
-        self.hash.store(v.hash, Relaxed);
-        self.tick.store(v.tick, Relaxed);
-        self.kids.store(v.children, Relaxed);
-        self.hp.store(pack(v.holders, v.parent), Release);
+    pub(crate) fn fill(&self, hash: u64, holders: Holders, parent: u32, kids: u32) {
+        self.hash.store(hash, Relaxed);
+        self.hp.store(pack(holders, parent) | (kids as u64) << KIDS_SHIFT, Release);
     }
     /// Marks a slot free (its hash stays until it is filled again).
     #[inline]
     pub fn clear(&self) {
         self.hp.store(pack(holders::EMPTY, FREE), Release);
-        self.kids.store(0, Relaxed);
     }
 }
 
@@ -309,13 +313,14 @@ impl<'g> View<'g> {
                 break;
             }
             let before = n;
-            for (node, &h) in tail.iter().zip(&hashes[n..]) {
+            let ticks = if touch.is_some() { self.chunks.tick_tail(cur + 1) } else { &[] };
+            for (k, (node, &h)) in tail.iter().zip(&hashes[n..]).enumerate() {
                 // Holders and parent in one load, then the hash (see `Node`).
                 if node.hp() != pack(holders, cur as u32) || node.hash() != h {
                     break;
                 }
-                if let Some(t) = touch {
-                    refresh(node, t);
+                if let (Some(t), Some(tick)) = (touch, ticks.get(k)) {
+                    refresh(tick, t);
                 }
                 cur += 1;
                 n += 1;
@@ -331,8 +336,8 @@ impl<'g> View<'g> {
     /// so that matches and stores on two cores do not keep moving its cache line between them).
     #[inline]
     pub fn touch(&self, i: u32, touch: (u32, u32)) {
-        if let Some(n) = self.node(i) {
-            refresh(n, touch);
+        if let Some(t) = self.chunks.tick(i as usize) {
+            refresh(t, touch);
         }
     }
 
@@ -344,7 +349,7 @@ impl<'g> View<'g> {
 }
 
 fn is_reserved(nodes: &Slab, i: usize) -> bool {
-    nodes.get(i).is_some_and(|n| n.parent() == FREE && n.children() == RESERVED)
+    nodes.get(i).is_some_and(|n| n.parent() == FREE) && nodes.children(i) == RESERVED
 }
 
 /// The slot right after `p` if it is reserved for `p`'s run or is the slab's end (then pushed,
@@ -352,7 +357,7 @@ fn is_reserved(nodes: &Slab, i: usize) -> bool {
 fn take_after(nodes: &mut Slab, p: u32) -> Option<u32> {
     let after = p as usize + 1;
     if is_reserved(nodes, after) {
-        nodes[after].set_children(0);
+        nodes.set_children(after, 0);
         return Some(after as u32);
     }
     if after == nodes.len() && after < MAX_NODES_PER_SHARD {
@@ -372,7 +377,7 @@ fn put_after(nodes: &mut Slab, p: u32, node: NodeVal) -> Result<u32, NodeVal> {
         return Ok(after as u32);
     }
     if is_reserved(nodes, after) {
-        nodes[after].fill(node);
+        nodes.fill(after, node);
         return Ok(after as u32);
     }
     Err(node)
@@ -399,13 +404,14 @@ pub(crate) struct Shard {
     pub orphan_parent: hashbrown::HashMap<u32, u64>,
 }
 
-impl Default for Shard {
-    fn default() -> Self {
+impl Shard {
+    /// An empty shard; `recency`: keep a tick per node (an index with `max_nodes`).
+    pub fn new(recency: bool) -> Self {
         let shared = Arc::new(Shared::default());
         // SAFETY: not shared with anyone yet.
         let buckets = unsafe { shared.table.load(Relaxed, epoch::unprotected()).deref().buckets() };
         Shard {
-            nodes: Slab::new(shared.clone()),
+            nodes: Slab::new(shared.clone(), recency),
             arena: HolderArena::new(shared.clone()),
             shared,
             free: Vec::new(),
@@ -542,14 +548,14 @@ impl Shard {
             Ok(i) => return Some((i, false)),
             Err(b) => b,
         };
-        let grow = grow && parent < FREE && self.nodes[parent as usize].children() == 0;
+        let grow = grow && parent < FREE && self.nodes.children(parent as usize) == 0;
         let node = NodeVal { hash: h, holders: holders::EMPTY, tick, parent, children: 0 };
         let placed = if grow { put_after(&mut self.nodes, parent, node) } else { Err(node) };
         let (i, parent) = match placed {
             Ok(i) => (i, parent),
             Err(node) if grow => match self.slot_under(parent) {
                 Some((i, p)) => {
-                    self.nodes[i as usize].fill(NodeVal { parent: p, ..node });
+                    self.nodes.fill(i as usize, NodeVal { parent: p, ..node });
                     (i, p)
                 }
                 None => (self.place(node)?, parent),
@@ -559,8 +565,8 @@ impl Shard {
         // (Moving a run re-points entries but adds or removes none: `vacant` is still vacant.)
         self.table_insert_at(vacant, h, i);
         if parent < FREE {
-            let p = &self.nodes[parent as usize];
-            p.set_children(p.children() + 1);
+            let c = self.nodes.children(parent as usize);
+            self.nodes.set_children(parent as usize, c + 1);
         }
         self.live += 1;
         Some((i, true))
@@ -570,7 +576,7 @@ impl Shard {
     fn place(&mut self, node: NodeVal) -> Option<u32> {
         match self.free.pop() {
             Some(i) => {
-                self.nodes[i as usize].fill(node);
+                self.nodes.fill(i as usize, node);
                 Some(i)
             }
             None if self.nodes.len() >= MAX_NODES_PER_SHARD => None,
@@ -604,7 +610,8 @@ impl Shard {
         }
         while p as usize - start + 1 < MAX_MOVE && start > 0 {
             let (prev, cur) = (&self.nodes[start - 1], &self.nodes[start]);
-            if cur.parent() != (start - 1) as u32 || prev.children() != 1 || prev.parent() == FREE || prev.parent() == ORPHAN {
+            if cur.parent() != (start - 1) as u32 || self.nodes.children(start - 1) != 1 || prev.parent() == FREE || prev.parent() == ORPHAN
+            {
                 break;
             }
             start -= 1;
@@ -626,16 +633,16 @@ impl Shard {
             }
         };
         for k in 0..len {
-            let v = self.nodes[start + k].val();
+            let v = self.nodes.val(start + k);
             let parent = if k == 0 { v.parent } else { (base + k - 1) as u32 };
-            self.nodes[base + k].fill(NodeVal { parent, ..v });
+            self.nodes.fill(base + k, NodeVal { parent, ..v });
         }
         for k in 0..len {
             let (old, h) = (start + k, self.nodes[start + k].hash());
             self.table_ref().repoint(mix(h), |j| j as usize == old, (base + k) as u32);
         }
         for old in start..start + len {
-            self.nodes[old].clear();
+            self.nodes.clear(old);
         }
         // The old slots are free for anyone (and so are slots reserved after them, if any).
         self.release_reserved(start + len);
@@ -643,7 +650,7 @@ impl Shard {
             self.free.push(old as u32);
         }
         for k in len + 1..cap {
-            self.nodes[base + k].set_children(RESERVED);
+            self.nodes.set_children(base + k, RESERVED);
         }
         Some(((base + len) as u32, (base + len - 1) as u32))
     }
@@ -662,7 +669,7 @@ impl Shard {
     /// Returns the reserved slots from `i` on to the free list (their run lost its tail).
     fn release_reserved(&mut self, mut i: usize) {
         while self.is_reserved(i) {
-            self.nodes[i].set_children(0);
+            self.nodes.set_children(i, 0);
             self.free.push(i as u32);
             i += 1;
         }
@@ -674,7 +681,7 @@ impl Shard {
     /// Returns how many it appended, stopping at the first hash present, where the run cannot
     /// grow in place, or at a full shard; nodes `prev + 1 ..= prev + n` are the new ones.
     pub fn extend_run(&mut self, prev: u32, hashes: &[u64], tick: u32, slot: u32, tier: TierMask) -> usize {
-        if prev >= FREE || self.nodes[prev as usize].children() != 0 {
+        if prev >= FREE || self.nodes.children(prev as usize) != 0 {
             return 0;
         }
         let hold = holders::single(slot, tier);
@@ -695,15 +702,15 @@ impl Shard {
             if at_end {
                 self.nodes.push(node);
             } else {
-                self.nodes[after].fill(node);
+                self.nodes.fill(after, node);
             }
             self.table_insert_at(vacant, h, after as u32);
             p = after;
         }
         let n = p - prev as usize;
         if n > 0 {
-            self.nodes[prev as usize].set_children(1);
-            self.nodes[p].set_children(0);
+            self.nodes.set_children(prev as usize, 1);
+            self.nodes.set_children(p, 0);
             self.live += n;
             self.bump(slot, n as i64);
         }
@@ -762,7 +769,7 @@ impl Shard {
         let mut deleted = 0;
         loop {
             let n = &self.nodes[i as usize];
-            if !holders::is_empty(n.holders()) || n.children() != 0 {
+            if !holders::is_empty(n.holders()) || n.kids_class() != 0 {
                 return deleted;
             }
             let parent = n.parent();
@@ -790,18 +797,18 @@ impl Shard {
     fn delete(&mut self, i: u32) {
         let (h, parent, hold) = {
             let n = &self.nodes[i as usize];
-            debug_assert_eq!(n.children(), 0);
+            debug_assert_eq!(n.kids_class(), 0);
             (n.hash(), n.parent(), n.holders())
         };
         self.table_remove(h, i);
         if parent < FREE {
-            let p = &self.nodes[parent as usize];
-            p.set_children(p.children() - 1);
+            let c = self.nodes.children(parent as usize);
+            self.nodes.set_children(parent as usize, c - 1);
         }
         if parent == ORPHAN {
             self.orphan_parent.remove(&i);
         }
-        self.nodes[i as usize].clear();
+        self.nodes.clear(i as usize);
         // (After the node stops naming it: the set may be retired here.)
         self.arena.drop_holders(hold);
         self.arena.retire_pending();
@@ -888,8 +895,6 @@ impl Shard {
 
     /// Halves every tick (order kept) when the clock nears wrapping.
     pub fn halve_ticks(&mut self) {
-        for n in self.nodes.iter() {
-            n.tick.store(n.tick.load(Relaxed) >> 1, Relaxed);
-        }
+        self.nodes.halve_ticks();
     }
 }

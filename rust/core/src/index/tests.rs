@@ -530,3 +530,51 @@ fn matches_do_not_wait_for_a_writer_holding_the_shard() {
     assert_eq!(depth(&idx, &c, 1), Some(300));
     drop(held);
 }
+
+/// A node's child count lives in 2 bits of its `hp` word up to 2, and in the slab's side map from
+/// 3 on: a branch point with many children must count them exactly through adds, removals, run
+/// moves and eviction, and go away only with its last child.
+#[test]
+fn branch_points_with_many_children_count_them_exactly() {
+    for max_nodes in [None, Some(400)] {
+        let idx = KvIndex::new(max_nodes);
+        let root = chain(9, 2);
+        for w in 1..=3 {
+            idx.store(w, &root, None, Tier::Device).unwrap();
+        }
+        // 40 branches under root[1], each stored in two turns (the second grows or moves a run).
+        let branches: Vec<Vec<u64>> = (0..40u64).map(|b| chain(5000 + b, 6)).collect();
+        for (k, b) in branches.iter().enumerate() {
+            idx.store(1 + (k as u64 % 3), &b[..3], Some(root[1]), Tier::Device).unwrap();
+        }
+        for (k, b) in branches.iter().enumerate() {
+            idx.store(1 + (k as u64 % 3), &b[3..], Some(b[2]), Tier::Device).unwrap();
+        }
+        let (s, i) = (root_shard(root[0]), 1);
+        let g = idx.shard(s).read();
+        let ri = g.find(root[1]).unwrap();
+        assert_eq!(g.nodes.children(ri as usize), 40);
+        assert_eq!(g.nodes.children(g.find(root[0]).unwrap() as usize), i);
+        drop(g);
+        for (k, b) in branches.iter().enumerate() {
+            let mut q = root.clone();
+            q.extend_from_slice(b);
+            assert_eq!(depth(&idx, &q, 1 + (k as u64 % 3)), Some(8), "branch {k}");
+        }
+        // The root's holders let go: the branch point stays while any branch does.
+        for w in 1..=3 {
+            idx.remove(w, &root, ANY_TIER);
+        }
+        for (k, b) in branches.iter().enumerate().take(38) {
+            idx.remove(1 + (k as u64 % 3), b, ANY_TIER);
+            let g = idx.shard(s).read();
+            let ri = g.find(root[1]).expect("branch point kept while it has children");
+            assert_eq!(g.nodes.children(ri as usize), 40 - k as u32 - 1);
+        }
+        assert_eq!(idx.len(), 2 + 2 * 6);
+        for k in [39, 38] {
+            idx.remove(1 + (k as u64 % 3), &branches[k], ANY_TIER);
+        }
+        assert_eq!(idx.len(), 0, "the holder-less branch point goes with its last child");
+    }
+}
