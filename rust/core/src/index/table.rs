@@ -1,7 +1,11 @@
 //! A shard's hash table (mixed hash -> slab index) that matches read without any lock while the
 //! shard's one writer changes it: hashbrown's layout (a control byte of 7 hash bits per bucket,
 //! groups of 8 probed together, tombstones for deletions; 5 bytes per bucket) with every byte
-//! and slot an atomic. The writer publishes a slot before the control byte that names it
+//! and slot an atomic. Unlike hashbrown, the number of groups need not be a power of two: a
+//! key's home group is its low 32 hash bits scaled to the group count (the tag is the top 7), and
+//! probing moves one group at a time, wrapping, so a table grows by half (`grown_size`) rather
+//! than doubling: after a doubling a table is 44% full, which at one unlucky size put ~10 of a
+//! node's ~26 bytes in the table. The writer publishes a slot before the control byte that names it
 //! (release / acquire), so a reader that sees a full control byte sees its slot. Growth builds a
 //! new table and swaps it in (`Shared::table`); the old one is freed by epoch reclamation once no
 //! reader can hold it. A reader's answer is a candidate: it checks the node's hash itself, so a
@@ -41,7 +45,13 @@ fn match_free(group: u64) -> u64 {
 pub(crate) struct Table {
     ctrl: Box<[AtomicU64]>,
     slots: Box<[AtomicU32]>,
-    gmask: usize,
+    groups: usize,
+}
+
+/// `hash`'s home group among `groups`.
+#[inline]
+fn home(hash: u64, groups: usize) -> usize {
+    ((hash as u32 as u64 * groups as u64) >> 32) as usize
 }
 
 /// Largest number of items a table of `buckets` buckets takes (7/8, as hashbrown).
@@ -49,19 +59,34 @@ pub(crate) fn capacity_of(buckets: usize) -> usize {
     buckets / 8 * 7
 }
 
-/// Buckets for at least `items` items.
+/// Buckets (a multiple of the group size) for at least `items` items.
 pub(crate) fn buckets_for(items: usize) -> usize {
-    (items.max(1) * 8).div_ceil(7).next_power_of_two().max(2 * GROUP)
+    (items.max(1) * 8).div_ceil(7).div_ceil(GROUP).max(2) * GROUP
+}
+
+/// The size a full table of `buckets` grows to: half as large again (a multiple of the group).
+pub(crate) fn grown_size(buckets: usize) -> usize {
+    (buckets + buckets / 2).div_ceil(GROUP) * GROUP
 }
 
 impl Table {
     pub fn with_buckets(buckets: usize) -> Table {
-        debug_assert!(buckets.is_power_of_two() && buckets >= GROUP);
+        debug_assert!(buckets % GROUP == 0 && buckets >= GROUP);
         let groups = buckets / GROUP;
         Table {
             ctrl: (0..groups).map(|_| AtomicU64::new(u64::MAX)).collect(),
             slots: (0..buckets).map(|_| AtomicU32::new(0)).collect(),
-            gmask: groups - 1,
+            groups,
+        }
+    }
+
+    /// The group after `pos`, wrapping.
+    #[inline]
+    fn next(&self, pos: usize) -> usize {
+        if pos + 1 == self.groups {
+            0
+        } else {
+            pos + 1
         }
     }
 
@@ -78,8 +103,8 @@ impl Table {
     #[inline]
     fn find_bucket(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<usize> {
         let tag = h2(hash);
-        let mut pos = hash as usize & self.gmask;
-        let mut stride = 0;
+        let mut pos = home(hash, self.groups);
+        let mut visited = 0;
         loop {
             let group = self.ctrl[pos].load(Acquire);
             let mut m = match_byte(group, tag);
@@ -93,11 +118,11 @@ impl Table {
             if match_empty(group) != 0 {
                 return None;
             }
-            stride += 1;
-            if stride > self.gmask {
+            visited += 1;
+            if visited == self.groups {
                 return None; // every group visited (a table of tombstones)
             }
-            pos = (pos + stride) & self.gmask;
+            pos = self.next(pos);
         }
     }
 
@@ -106,8 +131,8 @@ impl Table {
     #[inline(always)]
     pub fn find_or_vacant(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Result<u32, usize> {
         let tag = h2(hash);
-        let mut pos = hash as usize & self.gmask;
-        let mut stride = 0;
+        let mut pos = home(hash, self.groups);
+        let mut visited = 0;
         let mut vacant = None;
         loop {
             let group = self.ctrl[pos].load(Relaxed);
@@ -124,11 +149,11 @@ impl Table {
             if vacant.is_none() && free != 0 {
                 vacant = Some(pos * GROUP + (free.trailing_zeros() / 8) as usize);
             }
-            if match_empty(group) != 0 || stride >= self.gmask {
+            visited += 1;
+            if match_empty(group) != 0 || visited == self.groups {
                 return Err(vacant.unwrap_or_else(|| self.free_bucket(hash)));
             }
-            stride += 1;
-            pos = (pos + stride) & self.gmask;
+            pos = self.next(pos);
         }
     }
 
@@ -144,15 +169,13 @@ impl Table {
 
     /// Writer only: the first empty or deleted bucket on `hash`'s probe sequence.
     fn free_bucket(&self, hash: u64) -> usize {
-        let mut pos = hash as usize & self.gmask;
-        let mut stride = 0;
+        let mut pos = home(hash, self.groups);
         loop {
             let m = match_free(self.ctrl[pos].load(Relaxed));
             if m != 0 {
                 return pos * GROUP + (m.trailing_zeros() / 8) as usize;
             }
-            stride += 1;
-            pos = (pos + stride) & self.gmask;
+            pos = self.next(pos);
         }
     }
 
@@ -219,5 +242,30 @@ mod tests {
         t.repoint(key(0), |j| j == 0, 1000);
         assert_eq!(t.find(key(0), |j| j == 1000), Some(1000));
         assert!(match_byte(u64::MAX, 0x7F) == 0);
+    }
+
+    /// Group counts that are not powers of two: filled to capacity (probes wrap past the last
+    /// group), every key found, absent keys and a table of tombstones end their probe.
+    #[test]
+    fn any_group_count_fills_to_capacity_and_probes_wrap() {
+        let key = |i: u32| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64) << 40;
+        for groups in [2usize, 3, 5, 7, 12, 97] {
+            let t = Table::with_buckets(groups * GROUP);
+            let cap = capacity_of(t.buckets()) as u32;
+            for i in 0..cap {
+                assert!(t.insert(key(i), i));
+            }
+            for i in 0..cap {
+                assert_eq!(t.find(key(i), |j| j == i), Some(i), "groups {groups}, key {i}");
+            }
+            assert_eq!(t.find(key(cap + 1), |j| j == cap + 1), None);
+            for i in 0..cap {
+                assert!(t.remove(key(i), |j| j == i));
+            }
+            assert_eq!(t.find(key(0), |j| j == 0), None);
+        }
+        assert_eq!(grown_size(64), 96);
+        assert_eq!(grown_size(96), 144);
+        assert!(capacity_of(buckets_for(1000)) >= 1000 && buckets_for(1000) % GROUP == 0);
     }
 }
