@@ -7,7 +7,7 @@ import json
 import pytest
 from kvroute.cli import main
 from kvroute.sim import ClusterConfig, records_to_workload, simulate, synthetic_trace
-from kvroute.sim.suite import CASES, QUICK_CASES, default_policy, format_suite, run_suite, suite_policies
+from kvroute.sim.suite import CASES, QUICK_CASES, default_policy, format_case, format_suite, run_suite, suite_policies
 
 
 def test_suite_is_split_up_front_and_covers_the_issue():
@@ -91,3 +91,14 @@ def test_suite_command_errors():
         main(["simulate", "--quick"])
     with pytest.raises(SystemExit, match="unknown policy"):
         main(["simulate", "--suite", "--quick", "--policy", "nope"])
+
+
+def test_suite_with_the_default_alone_reports_no_verdict(capsys):
+    # One policy: its attainment per case, and no "best" verdict (there is nothing to compare).
+    res = run_suite(QUICK_CASES[:1], policies=["slack"], event_lags=(0.0,), bounds=False)
+    assert res[0].best_other[0] is None and res[0].default_is_best is None
+    assert "no other policy ran" in format_case(res[0])
+    assert "default best (within" not in format_suite(res)
+    assert main(["simulate", "--suite", "--quick", "--case", "docs", "--policy", "slack", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines and all(x["default_is_best"] is None for x in lines)

@@ -145,14 +145,22 @@ class CaseResult:
     runs: list[RunResult] = field(default_factory=list)
 
     @property
-    def best_other(self) -> tuple[str, float]:
+    def best_other(self) -> tuple[str | None, float]:
+        """The best policy other than the default, and its attainment; ``(None, nan)`` when the
+        suite ran the default alone."""
         others = {p: a for p, a in self.attainment.items() if p != self.default}
+        if not others:
+            return None, float("nan")
         p = max(others, key=lambda k: others[k])
         return p, others[p]
 
     @property
-    def default_is_best(self) -> bool:
-        return self.attainment[self.default] >= self.best_other[1] - TOLERANCE_POINTS / 100.0
+    def default_is_best(self) -> bool | None:
+        """Whether the default is within the tolerance of the best other policy (None: no other ran)."""
+        bp, ba = self.best_other
+        if bp is None:
+            return None
+        return self.attainment[self.default] >= ba - TOLERANCE_POINTS / 100.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -246,9 +254,18 @@ def format_case(r: CaseResult) -> str:
     cells = "  ".join(f"{p} {_pct(a)} ({_pct(r.rejected[p])} rej)" for p, a in r.attainment.items())
     bounds = "  ".join(f"{k} {_pct(v)}" for k, v in r.bounds.items())
     bp, ba = r.best_other
-    gap = 100 * (r.attainment[r.default] - ba)
-    verdict = f"default {r.default} {'BEST' if r.default_is_best else 'NOT best'} ({gap:+.2f} pts vs {bp})"
+    if bp is None:
+        verdict = f"default {r.default}: no other policy ran to compare it with"
+    else:
+        gap = 100 * (r.attainment[r.default] - ba)
+        verdict = f"default {r.default} {'BEST' if r.default_is_best else 'NOT best'} ({gap:+.2f} pts vs {bp})"
     return f"{head}\n  {cells}\n  bounds: {bounds}\n  {verdict}"
+
+
+def _verdict(r: CaseResult) -> str:
+    if r.default_is_best is None:
+        return "-"
+    return "yes" if r.default_is_best else f"no ({100 * (r.attainment[r.default] - r.best_other[1]):+.2f})"
 
 
 def format_suite(results: Sequence[CaseResult]) -> str:
@@ -267,12 +284,14 @@ def format_suite(results: Sequence[CaseResult]) -> str:
             f"| {r.case.name} | {r.case.split} | {r.event_lag * 1000:g} ms | "
             + " | ".join(cells)
             + f" | {_pct(r.bounds.get('infinite cache', float('nan')))} | {_pct(r.bounds.get('global cache', float('nan')))}"
-            + f" | {'yes' if r.default_is_best else f'no ({100 * (r.attainment[r.default] - r.best_other[1]):+.2f})'} |"
+            + f" | {_verdict(r)} |"
         )
     lines.append("")
     for split in ("tuning", "held-out"):
         part = [r for r in results if r.case.split == split]
         if part:
-            won = sum(r.default_is_best for r in part)
+            if part[0].default_is_best is None:
+                continue
+            won = sum(bool(r.default_is_best) for r in part)
             lines.append(f"{split}: default best (within {TOLERANCE_POINTS} points) in {won} of {len(part)} cases")
     return "\n".join(lines)
