@@ -578,3 +578,18 @@ fn branch_points_with_many_children_count_them_exactly() {
         assert_eq!(idx.len(), 0, "the holder-less branch point goes with its last child");
     }
 }
+
+/// An index without `max_nodes` keeps no recency, so its snapshot says 0 for every node: loaded
+/// into an index with a cap, those nodes are evicted before anything stored after the load.
+#[test]
+fn a_snapshot_without_recency_loads_as_older_than_what_follows() {
+    let idx = KvIndex::new(None);
+    let (a, b) = (chain(71, 10), chain(72, 10));
+    idx.store(1, &a, None, Tier::Device).unwrap();
+    let capped = KvIndex::load(&idx.dump(), Some(12)).unwrap();
+    assert_eq!(depth(&capped, &a, 1), Some(10));
+    capped.store(1, &b, None, Tier::Device).unwrap();
+    assert!(capped.len() <= 12, "{}", capped.len());
+    assert_eq!(depth(&capped, &b, 1), Some(10), "what was stored after the load stays");
+    assert!(depth(&capped, &a, 1).unwrap_or(0) < 10, "the loaded chain is evicted first");
+}
