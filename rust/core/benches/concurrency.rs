@@ -1,7 +1,8 @@
 //! Concurrent reads: match rate with 1 vs 2 threads, and match p99 idle vs with a writer
 //! storing ~1M blocks/s (each p99 over at least 0.5 s of matches, the writer's from its first
-//! store on; before, a 128-block figure covered ~2 ms, which the writer barely overlapped). Python threads cannot show this for ~1 us calls (the GIL hand-off
-//! dominates), so it is measured here on the core directly. Five runs, one line each, then one
+//! store on; before, a 128-block figure covered ~2 ms, which the writer barely overlapped).
+//! Python threads cannot show this for ~1 us calls (the GIL hand-off dominates), so it is
+//! measured here on the core directly. Five runs, one line each, then one
 //! JSON line with the worst of them: `two_thread_scaling` (lowest), `p99_ratio_128` and
 //! `p99_ratio_1024` (highest p99 with the writer over idle p99), and `p999_ratio` (the same at
 //! p99.9, both lengths: the bursts a p99 over 0.5 s no longer shows).

@@ -17,11 +17,49 @@ use std::sync::Arc;
 
 use crossbeam_epoch::{self as epoch, Owned};
 
-use super::holders::Holders;
 use super::shard::{Node, NodeVal, Shared};
 
 const CHUNK_BITS: u32 = 12;
 pub(crate) const CHUNK: usize = 1 << CHUNK_BITS;
+
+// Chunked storage, shared by node chunks and tick chunks: each pointer names CHUNK initialised
+// values that are freed only with the index (or, unpublished, with their `FreshChunk`).
+
+/// A fresh chunk of CHUNK values made by `init`.
+fn alloc_chunk<T>(init: impl FnMut(usize) -> T) -> NonNull<T> {
+    let b: Box<[T]> = (0..CHUNK).map(init).collect();
+    // SAFETY: `Box::into_raw` never returns null.
+    unsafe { NonNull::new_unchecked(Box::into_raw(b) as *mut T) }
+}
+
+/// Frees a chunk made by `alloc_chunk`.
+///
+/// # Safety
+/// `c` came from `alloc_chunk`, is freed once, and nothing reads it any more.
+unsafe fn free_chunk<T>(c: NonNull<T>) {
+    drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(c.as_ptr(), CHUNK)));
+}
+
+/// Slot `i` of chunked storage (`None` past the last chunk).
+#[inline]
+fn slot<T>(chunks: &[NonNull<T>], i: usize) -> Option<&T> {
+    let c = chunks.get(i >> CHUNK_BITS)?;
+    // SAFETY: a chunk holds CHUNK initialised values and outlives the list that names it.
+    Some(unsafe { &*c.as_ptr().add(i & (CHUNK - 1)) })
+}
+
+/// Slots `i..` up to the end of `i`'s chunk (empty past the last chunk).
+#[inline]
+fn slots_from<T>(chunks: &[NonNull<T>], i: usize) -> &[T] {
+    match chunks.get(i >> CHUNK_BITS) {
+        // SAFETY: as in `slot`; the slice stays inside the chunk.
+        Some(c) => unsafe {
+            let off = i & (CHUNK - 1);
+            std::slice::from_raw_parts(c.as_ptr().add(off), CHUNK - off)
+        },
+        None => &[],
+    }
+}
 
 /// Chunk pointers as readers see them: immutable once published.
 pub(crate) struct ChunkDir {
@@ -42,53 +80,31 @@ impl ChunkDir {
 
     #[inline]
     pub fn get(&self, i: usize) -> Option<&Node> {
-        let c = self.chunks.get(i >> CHUNK_BITS)?;
-        // SAFETY: a chunk holds CHUNK initialised nodes and outlives `self` (see above).
-        Some(unsafe { &*c.as_ptr().add(i & (CHUNK - 1)) })
+        slot(&self.chunks, i)
     }
 
     /// Slots `i..` up to the end of `i`'s chunk (empty past the last chunk).
     #[inline]
     pub fn chunk_tail(&self, i: usize) -> &[Node] {
-        match self.chunks.get(i >> CHUNK_BITS) {
-            // SAFETY: as in `get`; the slice stays inside the chunk.
-            Some(c) => unsafe {
-                let off = i & (CHUNK - 1);
-                std::slice::from_raw_parts(c.as_ptr().add(off), CHUNK - off)
-            },
-            None => &[],
-        }
+        slots_from(&self.chunks, i)
     }
 
     /// Slot `i`'s recency tick (`None` in an index that keeps no recency).
     #[inline]
     pub fn tick(&self, i: usize) -> Option<&AtomicU32> {
-        let c = self.ticks.get(i >> CHUNK_BITS)?;
-        // SAFETY: as in `get`, for the tick chunk of the same slots.
-        Some(unsafe { &*c.as_ptr().add(i & (CHUNK - 1)) })
+        slot(&self.ticks, i)
     }
 
     /// Ticks of slots `i..` up to the end of `i`'s chunk (empty without recency).
     #[inline]
     pub fn tick_tail(&self, i: usize) -> &[AtomicU32] {
-        match self.ticks.get(i >> CHUNK_BITS) {
-            // SAFETY: as in `chunk_tail`.
-            Some(c) => unsafe {
-                let off = i & (CHUNK - 1);
-                std::slice::from_raw_parts(c.as_ptr().add(off), CHUNK - off)
-            },
-            None => &[],
-        }
+        slots_from(&self.ticks, i)
     }
 
     /// Frees every chunk. Only `Shared`'s drop calls this, when no reader is left.
     pub(crate) unsafe fn free_chunks(&self) {
-        for c in self.chunks.iter() {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(c.as_ptr(), CHUNK)));
-        }
-        for c in self.ticks.iter() {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(c.as_ptr(), CHUNK)));
-        }
+        self.chunks.iter().for_each(|&c| free_chunk(c));
+        self.ticks.iter().for_each(|&c| free_chunk(c));
     }
 }
 
@@ -101,14 +117,7 @@ unsafe impl Send for FreshChunk {}
 
 impl FreshChunk {
     fn new(ticks: bool) -> Self {
-        let b: Box<[Node]> = (0..CHUNK).map(|_| Node::free()).collect();
-        let t = ticks.then(|| {
-            let t: Box<[AtomicU32]> = (0..CHUNK).map(|_| AtomicU32::new(0)).collect();
-            // SAFETY: `Box::into_raw` never returns null.
-            unsafe { NonNull::new_unchecked(Box::into_raw(t) as *mut AtomicU32) }
-        });
-        // SAFETY: `Box::into_raw` never returns null.
-        FreshChunk(unsafe { NonNull::new_unchecked(Box::into_raw(b) as *mut Node) }, t)
+        FreshChunk(alloc_chunk(|_| Node::free()), ticks.then(|| alloc_chunk(|_| AtomicU32::new(0))))
     }
 }
 
@@ -116,10 +125,8 @@ impl Drop for FreshChunk {
     fn drop(&mut self) {
         // SAFETY: never published (publishing forgets it), so this is its only owner.
         unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.0.as_ptr(), CHUNK)));
-            if let Some(t) = self.1 {
-                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(t.as_ptr(), CHUNK)));
-            }
+            free_chunk(self.0);
+            self.1.into_iter().for_each(|t| free_chunk(t));
         }
     }
 }
@@ -208,7 +215,7 @@ impl Slab {
     /// Slot `i` as plain values.
     pub fn val(&self, i: usize) -> NodeVal {
         let n = &self[i];
-        NodeVal { hash: n.hash(), holders: n.holders() as Holders, tick: self.tick(i), parent: n.parent(), children: self.children(i) }
+        NodeVal { hash: n.hash(), holders: n.holders(), tick: self.tick(i), parent: n.parent(), children: self.children(i) }
     }
 
     /// Marks slot `i` free (no holders, `FREE`, no children).
@@ -251,19 +258,14 @@ impl Slab {
     /// Slot `i`'s recency tick (0 in an index that keeps none).
     #[inline]
     pub fn tick(&self, i: usize) -> u32 {
-        match self.ticks.get(i >> CHUNK_BITS) {
-            // SAFETY: a tick chunk holds CHUNK ticks and lives as long as the index.
-            Some(c) => unsafe { (*c.as_ptr().add(i & (CHUNK - 1))).load(Relaxed) },
-            None => 0,
-        }
+        slot(&self.ticks, i).map_or(0, |t| t.load(Relaxed))
     }
 
     /// Sets slot `i`'s recency tick (nothing in an index that keeps none).
     #[inline]
     pub fn set_tick(&self, i: usize, t: u32) {
-        if let Some(c) = self.ticks.get(i >> CHUNK_BITS) {
-            // SAFETY: as in `tick`.
-            unsafe { (*c.as_ptr().add(i & (CHUNK - 1))).store(t, Relaxed) }
+        if let Some(tick) = slot(&self.ticks, i) {
+            tick.store(t, Relaxed);
         }
     }
 
