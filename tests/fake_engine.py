@@ -292,6 +292,10 @@ class FakePublisher:
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.replays_served = 0
+        # A test may hold replay answers back: ``replay_requested`` is set when a request arrives,
+        # and the answer waits (bounded) for ``replay_gate`` when one is set up.
+        self.replay_requested = threading.Event()
+        self.replay_gate: threading.Event | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -323,6 +327,9 @@ class FakePublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            self.replay_requested.set()
+            if self.replay_gate is not None:
+                self.replay_gate.wait(10.0)
             with self._lock:
                 items = [(s, b) for s, b in self.buffer if s >= start_seq]
             for s, b in items:

@@ -3,6 +3,7 @@ batches, replays (both framings), restarts and clears, the index equals the engi
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -88,6 +89,8 @@ def test_index_mirrors_several_fake_engines_through_drops_and_replays(ctx):
     with sub:
         for p in pubs.values():
             p.wait_for_subscriber()
+        # The start-up replay (nothing buffered yet) is over before the batches the test drops.
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
         for w, eng in engines.items():
             reqs = list(workload(seed=w, n=120))
             for i, toks in enumerate(reqs):
@@ -116,6 +119,7 @@ def test_resync_when_the_replay_buffer_no_longer_has_the_gap(ctx):
     old = list(range(100, 108))
     with KvEventSubscriber(idx, {5: pub.endpoint}, replay_endpoints={5: pub.replay_endpoint}, block_size=BS) as sub:
         pub.wait_for_subscriber()
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
         pub.publish(eng.encode(eng.process(old)))
         assert sub.wait_for(caught_up({5: pub}), TIMEOUT)
         assert idx.match(kvroute.block_hashes(old, BS)) == {5: 2}
@@ -128,7 +132,8 @@ def test_resync_when_the_replay_buffer_no_longer_has_the_gap(ctx):
         pub.publish(eng.encode(eng.process(fresh)))
         assert sub.wait_for(caught_up({5: pub}), TIMEOUT), sub.stats()
         st = sub.stats()
-    assert st["gaps"] == 1 and st["resyncs"] == 1 and st["replays"] == 1, st
+    # Two replays: the start-up one (nothing buffered yet) and the gap's.
+    assert st["gaps"] == 1 and st["resyncs"] == 1 and st["replays"] == 2, st
     # The stale blocks went with the resync; what the partial replay (the batch for [2] * 8) and the
     # live stream carried is there; the two batches gone from the buffer are not.
     assert idx.match(kvroute.block_hashes(old, BS)) == {}
@@ -176,6 +181,10 @@ def test_first_connect_replays_history_published_before_the_subscriber(ctx):
             pub.publish(eng.encode(ev))  # nobody listens: lost on the PUB side, kept for replay
     idx = kvroute.KvIndex()
     with KvEventSubscriber(idx, {0: pub.endpoint}, replay_endpoints={0: pub.replay_endpoint}, block_size=BS) as sub:
+        # The start-up replay alone brings the history: no live batch is needed to trigger it.
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
+        assert sub.synced and sub.stats()["workers"][0]["last_seq"] == pub.seq - 1
+        assert_mirrors(idx, 0, eng)
         pub.wait_for_subscriber()
         for toks in reqs[10:]:
             ev = eng.process(toks)
@@ -183,8 +192,83 @@ def test_first_connect_replays_history_published_before_the_subscriber(ctx):
                 pub.publish(eng.encode(ev))
         assert sub.wait_for(caught_up({0: pub}), TIMEOUT), sub.stats()
         st = sub.stats()
-    assert st["gaps"] == 0 and st["replays"] == 1 and st["resyncs"] == 0, st
+    assert st["gaps"] == 0 and st["replays"] == 1 and st["resyncs"] == 0 and st["duplicates"] == 0, st
     assert_mirrors(idx, 0, eng)
+
+
+def test_live_batches_the_startup_replay_covered_are_dropped_not_read_as_a_restart(ctx):
+    eng = FakeEngine("vllm", block_size=BS, capacity=100)
+    pub = ctx.publisher()
+    reqs = list(workload(seed=21, n=12))
+    for toks in reqs[:6]:
+        pub.publish(eng.encode(eng.process(toks)))
+    pub.replay_gate = gate = threading.Event()
+    idx = kvroute.KvIndex()
+    with KvEventSubscriber(idx, {0: pub.endpoint}, replay_endpoints={0: pub.replay_endpoint}, block_size=BS) as sub:
+        pub.wait_for_subscriber()
+        assert pub.replay_requested.wait(TIMEOUT)
+        # Published while the replay request waits: these reach the live socket and the replay both.
+        for toks in reqs[6:9]:
+            pub.publish(eng.encode(eng.process(toks)))
+        gate.set()
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
+        for toks in reqs[9:]:
+            pub.publish(eng.encode(eng.process(toks)))
+        assert sub.wait_for(caught_up({0: pub}), TIMEOUT), sub.stats()
+        st = sub.stats()
+    assert st["duplicates"] == 3 and st["restarts"] == 0 and st["gaps"] == 0 and st["resyncs"] == 0, st
+    assert st["replayed_batches"] == 9 and st["batches"] == 12, st
+    assert_mirrors(idx, 0, eng)
+
+
+def test_resume_from_continues_a_stream_where_the_previous_subscriber_stopped(ctx):
+    eng = FakeEngine("vllm", block_size=BS, capacity=60)
+    pub = ctx.publisher(buffer_steps=8)
+    reqs = list(workload(seed=5, n=30))
+    idx = kvroute.KvIndex()
+    with KvEventSubscriber(idx, {3: pub.endpoint}, replay_endpoints={3: pub.replay_endpoint}, block_size=BS) as sub:
+        pub.wait_for_subscriber()
+        for toks in reqs[:10]:
+            pub.publish(eng.encode(eng.process(toks)))
+        assert sub.wait_for(caught_up({3: pub}), TIMEOUT)
+    last = sub.stats()["workers"][3]["last_seq"]
+    # Published while no subscriber runs (as between an EngineRouter's old and new subscriber).
+    for toks in reqs[10:15]:
+        pub.publish(eng.encode(eng.process(toks)))
+    with KvEventSubscriber(idx, {3: pub.endpoint}, replay_endpoints={3: pub.replay_endpoint}, block_size=BS, resume_from={3: last}) as sub:
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
+        st = sub.stats()
+    # Only what it missed was read, nothing was cleared.
+    assert st["replayed_batches"] == 5 and st["resyncs"] == 0 and st["workers"][3]["last_seq"] == pub.seq - 1, st
+    assert_mirrors(idx, 3, eng)
+    last = st["workers"][3]["last_seq"]
+    # More than the engine buffers (8 batches) goes by: the resumed stream cannot be completed.
+    for toks in reqs[15:30]:
+        pub.publish(eng.encode(eng.process(toks)))
+    with KvEventSubscriber(idx, {3: pub.endpoint}, replay_endpoints={3: pub.replay_endpoint}, block_size=BS, resume_from={3: last}) as sub:
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
+        st = sub.stats()
+    assert st["gaps"] == 1 and st["resyncs"] == 1 and st["replayed_batches"] == 8, st
+    # After the resync the worker holds exactly what the 8 buffered batches say, as a fresh index
+    # fed only those batches does.
+    ref = kvroute.KvIndex()
+    for _, payload in pub.buffer:
+        ref.apply_event_batch(3, payload, block_size=BS)
+    assert idx.num_blocks(3) == ref.num_blocks(3) > 0
+    for prefix in eng.cached_prefixes():
+        h = kvroute.block_hashes(list(prefix), BS)
+        assert idx.match(h) == ref.match(h), prefix
+
+
+def test_startup_replay_of_a_silent_engine_times_out_and_still_syncs(ctx):
+    pub = ctx.publisher()
+    pub.replay_gate = threading.Event()  # never answers within the timeout
+    idx = kvroute.KvIndex()
+    with KvEventSubscriber(idx, {0: pub.endpoint}, replay_endpoints={0: pub.replay_endpoint}, block_size=BS, replay_timeout=0.2) as sub:
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
+        st = sub.stats()
+        pub.replay_gate.set()
+    assert st["replay_failures"] == 1 and st["replayed_batches"] == 0, st
 
 
 def test_bad_frames_and_payloads_count_decode_errors_and_resync(ctx):
@@ -278,3 +362,34 @@ def test_constructor_validation():
         KvEventSubscriber(idx, {0: "localhost:5557"})
     with pytest.raises(ValueError, match="idle_timeout"):
         KvEventSubscriber(idx, {0: "tcp://127.0.0.1:1"}, idle_timeout=0)
+
+
+def test_engine_router_syncs_history_and_resumes_followed_engines_when_it_meets_a_new_one(ctx, tmp_path):
+    pytest.importorskip("tokenizers")
+    from exact_tokenizers import build_word_level
+    from kvroute.engines import EngineRouter
+
+    engines = [FakeEngine("vllm", block_size=BS, capacity=60) for _ in range(2)]
+    pubs = [ctx.publisher() for _ in range(2)]
+    for i, (eng, pub) in enumerate(zip(engines, pubs)):
+        for toks in workload(seed=40 + i, n=12):
+            pub.publish(eng.encode(eng.process(toks)))  # history from before the router existed
+    with EngineRouter(block_size=BS, tokenizer=build_word_level(tmp_path)) as er:
+        e0 = er.add("e0", "http://127.0.0.1:1", kv_events=pubs[0].endpoint, kv_events_replay=pubs[0].replay_endpoint)
+        assert er.wait_synced(TIMEOUT)
+        assert_mirrors(er.router.index, e0.worker, engines[0])  # before e0 published anything live
+        first = er.subscriber_stats()
+        assert first["replayed_batches"] == 12, first
+        # e0 goes on while the router rebuilds its subscriber for e1.
+        pubs[0].wait_for_subscriber()
+        for toks in workload(seed=50, n=4):
+            pubs[0].publish(engines[0].encode(engines[0].process(toks)))
+        assert er._subscriber.wait_for(caught_up({e0.worker: pubs[0]}), TIMEOUT)
+        e1 = er.add("e1", "http://127.0.0.1:2", kv_events=pubs[1].endpoint, kv_events_replay=pubs[1].replay_endpoint)
+        assert not er.synced() or er.subscriber_stats()["replayed_batches"] == 12
+        assert asyncio.run(er.wait_synced_async(TIMEOUT))
+        st = er.subscriber_stats()
+        # e1's history in full; e0 resumed after its last batch (nothing new to read), not re-read.
+        assert st["replayed_batches"] == 12 and st["resyncs"] == 0 and st["restarts"] == 0, st
+        assert_mirrors(er.router.index, e0.worker, engines[0])
+        assert_mirrors(er.router.index, e1.worker, engines[1])

@@ -255,20 +255,56 @@ class EngineRouter:
         return None if sub is None else dict(sub.stats())
 
     def _resubscribe(self) -> None:
-        """One subscriber for every engine's stream; rebuilt when the set changes (it replays each
-        engine's buffered events on connect, so the index catches up)."""
+        """One subscriber for every engine's stream; rebuilt when the set changes. The new one
+        resumes each engine it already followed from the last batch applied (its replay endpoint
+        fills what was published meanwhile) and replays a new engine's buffered history."""
         from kvroute.events import KvEventSubscriber
 
-        if self._subscriber is not None:
-            self._subscriber.stop()
-            self._subscriber = None
+        resume: dict[int, int] = {}
+        old, self._subscriber = self._subscriber, None
+        if old is not None:
+            try:
+                old.stop()
+            except (RuntimeError, TimeoutError) as exc:  # its thread failed: re-read every stream
+                log.warning("KV-event subscriber: %s; the new one replays every engine's history", exc)
+            else:
+                for w, st in old.stats()["workers"].items():
+                    if st["last_seq"] is not None:
+                        resume[w] = st["last_seq"]
         pubs = {e.worker: e.kv_events for e in self._engines.values() if e.kv_events}
         if not pubs:
             return
         replay = {e.worker: e.kv_events_replay for e in self._engines.values() if e.kv_events and e.kv_events_replay}
         self._subscriber = KvEventSubscriber(
-            self.router.index, pubs, replay_endpoints=replay or None, topic=self.topic, block_size=self.block_size, seed=self.hash_seed
+            self.router.index,
+            pubs,
+            replay_endpoints=replay or None,
+            topic=self.topic,
+            block_size=self.block_size,
+            seed=self.hash_seed,
+            # Only streams that can be replayed resume: without replay, a gap would clear the worker.
+            resume_from={w: seq for w, seq in resume.items() if w in replay},
         ).start()
+
+    def synced(self) -> bool:
+        """True when no KV-event subscriber runs or its start-up replay of every engine is done."""
+        sub = self._subscriber
+        return sub is None or sub.synced
+
+    def wait_synced(self, timeout: float = 5.0) -> bool:
+        """Blocks (at most ``timeout`` s) until the start-up replay of every engine's KV events is
+        done, so the first decisions of a new router see what the engines cached before it started."""
+        sub = self._subscriber
+        if sub is None or sub.synced:
+            return True
+        return bool(sub.wait_for(lambda s: bool(s["synced"]), timeout))
+
+    async def wait_synced_async(self, timeout: float = 5.0) -> bool:
+        """``wait_synced`` for asyncio code."""
+        sub = self._subscriber
+        if sub is None or sub.synced:
+            return True
+        return bool(await sub.wait_for_async(lambda s: bool(s["synced"]), timeout))
 
     def poll_metrics(self, engine: Engine, timeout: float = 2.0) -> dict[str, float] | None:
         """Reads one engine's /metrics once and folds waiting / running / KV usage into ``Router.observe``.

@@ -92,6 +92,10 @@ class _Publisher:
     expired: bool = False
     applied_to: set[int] = field(default_factory=set)
     batches: int = 0
+    # After the start-up replay: the seqs it applied, and the last live duplicate dropped since.
+    replayed_from: int = 0
+    replayed_upto: int | None = None
+    dup_last: int | None = None
 
 
 _COUNTERS = (
@@ -109,6 +113,7 @@ _COUNTERS = (
     "restarts",
     "decode_errors",
     "expired",
+    "duplicates",
 )
 
 
@@ -125,6 +130,17 @@ class KvEventSubscriber:
     it continues from there. A sequence that goes backwards means the engine restarted: its
     workers are cleared. A malformed batch counts a decode error and resyncs. With
     ``idle_timeout`` (seconds), a stream silent that long has its workers removed from the index.
+
+    On start (``replay_on_connect``, the default) it asks every replay endpoint at once for the
+    history the engine still buffers and applies it before any live batch, so the index knows what
+    the engines cached before this subscriber existed without waiting for their next event; live
+    batches that the replay already covered are dropped (``duplicates``). ``stats()["synced"]``
+    turns true once every stream's start-up replay has finished or timed out (``replay_timeout``);
+    routers wait for it (bounded) before their first decision. A stream whose start-up replay timed
+    out falls back to replaying on its first live batch. ``resume_from`` (worker -> the last seq
+    of that stream already applied to ``index``, e.g. a previous subscriber's
+    ``stats()["workers"][w]["last_seq"]``) continues a stream instead of re-reading it: the replay
+    starts after that seq, and a gap the engine no longer buffers resyncs the worker.
     """
 
     def __init__(
@@ -141,6 +157,7 @@ class KvEventSubscriber:
         replay_timeout: float = 2.0,
         replay_on_connect: bool = True,
         max_replay_batches: int = 100_000,
+        resume_from: Mapping[int, int] | None = None,
     ) -> None:
         if not isinstance(index, KvIndex):
             raise TypeError(f"index must be a kvroute.KvIndex, got {type(index).__name__}")
@@ -162,6 +179,10 @@ class KvEventSubscriber:
         unknown = set(replay_endpoints) - set(endpoints)
         if unknown:
             raise ValueError(f"replay_endpoints names workers without an endpoint: {sorted(unknown)}")
+        resume_from = dict(resume_from or {})
+        for w, seq in resume_from.items():
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < -1:
+                raise ValueError(f"resume_from[{w}] must be a batch sequence number >= -1, got {seq!r}")
         self._index = index
         self._topic = topic.encode("utf-8")
         self._block_size = int(block_size)
@@ -186,6 +207,13 @@ class KvEventSubscriber:
                     )
                 owner[w] = base
                 self._pubs.append(_Publisher(w, base, rank_endpoint(ep, r), rank_endpoint(rep, r) if rep else None))
+        streams = {p.worker: p for p in self._pubs}
+        unknown = set(resume_from) - set(streams)
+        if unknown:
+            raise ValueError(f"resume_from names workers without a stream: {sorted(unknown)}")
+        for w, seq in resume_from.items():
+            streams[w].last_seq = seq
+        self._synced = False
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -206,6 +234,9 @@ class KvEventSubscriber:
             if self._thread is not None:
                 return self
             self._ctx = zmq.Context()
+            self._synced = False
+            for p in self._pubs:
+                p.replayed_upto = p.dup_last = None
             try:
                 ctrl_recv = self._ctx.socket(zmq.PAIR)
                 ctrl_recv.bind(self._ctrl_addr)
@@ -247,6 +278,11 @@ class KvEventSubscriber:
         t = self._thread
         return t is not None and t.is_alive()
 
+    @property
+    def synced(self) -> bool:
+        """True once the start-up replay of every stream has finished or timed out."""
+        return self._synced
+
     def __enter__(self) -> KvEventSubscriber:
         return self.start()
 
@@ -282,6 +318,7 @@ class KvEventSubscriber:
             for p in self._pubs
         }
         out["running"] = self.running
+        out["synced"] = self._synced
         return out
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> bool:
@@ -342,6 +379,11 @@ class KvEventSubscriber:
             poller.register(p.sock, zmq.POLLIN)
             by_sock[p.sock] = p
         try:
+            if self._replay_on_connect:
+                self._startup_replay(ctrl)
+            with self._lock:
+                self._synced = True
+            self._notify()
             while True:
                 ready = dict(poller.poll(self._poll_ms()))
                 if ctrl in ready and ctrl.recv() == b"stop":
@@ -404,7 +446,86 @@ class KvEventSubscriber:
         self._on_batch(p, seq, frames[2])
         self._notify()
 
+    def _startup_replay(self, ctrl: Any) -> None:
+        """Asks every replay endpoint at once for what its engine buffers (after ``last_seq`` when
+        resuming) and applies each stream's answer in order; bounded by ``replay_timeout``."""
+        pending: dict[Any, tuple[_Publisher, int, dict[int, bytes]]] = {}
+        for p in self._pubs:
+            if p.replay_endpoint is None:
+                continue
+            start = 0 if p.last_seq is None else p.last_seq + 1
+            s = self._replay_socket(p)
+            s.send_multipart([b"", start.to_bytes(8, "big")])
+            pending[s] = (p, start, {})
+            self._count(replays=1)
+        poller = zmq.Poller()
+        for s in pending:
+            poller.register(s, zmq.POLLIN)
+        poller.register(ctrl, zmq.POLLIN)
+        deadline = time.monotonic() + self._replay_timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for s, _ in poller.poll(max(1, int(remaining * 1000))):
+                if s is ctrl:
+                    return  # stop() asked: the main loop reads the message
+                p, start, got = pending[s]
+                parsed = parse_replay_frames(s.recv_multipart())
+                if parsed is None:
+                    self._error(f"worker {p.worker}: malformed replay reply from {p.replay_endpoint}")
+                elif parsed[0] == "end":
+                    del pending[s]
+                    poller.unregister(s)
+                    self._apply_startup(p, start, sorted(got.items()))
+                    continue
+                elif parsed[1] >= start:
+                    got[parsed[1]] = parsed[2]
+                if parsed is None or len(got) > self._max_replay:
+                    del pending[s]
+                    poller.unregister(s)
+                    self._replay_failed(p)
+        for p, _, _ in pending.values():
+            self._replay_failed(p)
+
+    def _apply_startup(self, p: _Publisher, start: int, batches: list[tuple[int, bytes]]) -> None:
+        self._count(replayed_batches=len(batches))
+        for seq, payload in batches:
+            if p.last_seq is not None and seq != p.last_seq + 1:
+                # Resuming, and the engine no longer buffers what came after our last batch (or
+                # its buffer has a hole): what this worker holds is unknown, start over.
+                self._count(gaps=1, resyncs=1)
+                self._clear(p)
+            self._apply(p, seq, payload)
+        if batches:
+            p.replayed_from, p.replayed_upto = batches[0][0], p.last_seq
+        p.dup_last = None
+
+    def _replay_socket(self, p: _Publisher) -> Any:
+        if p.replay_sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            assert p.replay_endpoint is not None
+            s.connect(p.replay_endpoint)
+            p.replay_sock = s
+        return p.replay_sock
+
+    def _replay_failed(self, p: _Publisher) -> None:
+        # Late replies must not be read as answers to the next request: start a fresh socket.
+        if p.replay_sock is not None:
+            p.replay_sock.close(linger=0)
+            p.replay_sock = None
+        self._count(replay_failures=1)
+
     def _on_batch(self, p: _Publisher, seq: int, payload: bytes) -> None:
+        if p.replayed_upto is not None:
+            # Live batches queued while the start-up replay ran repeat what it applied; they arrive
+            # in increasing order, so one at or below the last dropped is a new stream (a restart).
+            if p.replayed_from <= seq <= p.replayed_upto and (p.dup_last is None or seq > p.dup_last):
+                p.dup_last = seq
+                self._count(duplicates=1)
+                return
+            p.replayed_upto = p.dup_last = None
         if p.last_seq is not None and seq <= p.last_seq:
             # ZMQ neither reorders nor repeats a connection's messages, and replay only fetches
             # what live delivery skipped: a sequence that does not advance is a new publisher
@@ -434,12 +555,7 @@ class KvEventSubscriber:
         if p.replay_endpoint is None:
             return False, []
         self._count(replays=1)
-        if p.replay_sock is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(p.replay_endpoint)
-            p.replay_sock = s
-        s = p.replay_sock
+        s = self._replay_socket(p)
         got: dict[int, bytes] = {}
         ended = False
         deadline = time.monotonic() + self._replay_timeout
@@ -459,10 +575,7 @@ class KvEventSubscriber:
             if start <= seq < upto:
                 got[seq] = payload
         if not ended:
-            # Late replies must not be read as answers to the next request: start a fresh socket.
-            s.close(linger=0)
-            p.replay_sock = None
-            self._count(replay_failures=1)
+            self._replay_failed(p)
         batches = sorted(got.items())
         self._count(replayed_batches=len(batches))
         complete = ended and len(batches) == upto - start

@@ -362,6 +362,20 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, ssl=self._ssl()), auto_decompress=False
         )
         try:
+            if self.config.kv_events:
+                from kvroute.events import KvEventSubscriber
+
+                by_url = {w.url: w.id for w in self.workers.values()}
+                self.subscriber = KvEventSubscriber(
+                    self.router.index,
+                    {by_url[u]: ep for u, ep in self.config.kv_events.items()},
+                    replay_endpoints={by_url[u]: ep for u, ep in self.config.kv_events_replay.items()} or None,
+                    block_size=self.block_size,
+                    seed=self.hash_seed,
+                ).start()
+                # The engines' buffered history first (bounded by the replay timeout), so the first
+                # requests are routed on what the engines already cache.
+                await self.subscriber.wait_for_async(lambda st: bool(st["synced"]), 5.0)
             admin_port = await self._start_admin() if self.config.admin_token else None
             bound_host, bound_port = self.plane.start(host, port, admin_port=admin_port)
         except BaseException:
@@ -370,17 +384,6 @@ class Gateway:
         if self.config.metrics_interval > 0:
             self._tasks.append(self._loop.create_task(self._metrics_loop()))
         self._tasks.append(self._loop.create_task(self._watch_loop()))
-        if self.config.kv_events:
-            from kvroute.events import KvEventSubscriber
-
-            by_url = {w.url: w.id for w in self.workers.values()}
-            self.subscriber = KvEventSubscriber(
-                self.router.index,
-                {by_url[u]: ep for u, ep in self.config.kv_events.items()},
-                replay_endpoints={by_url[u]: ep for u, ep in self.config.kv_events_replay.items()} or None,
-                block_size=self.block_size,
-                seed=self.hash_seed,
-            ).start()
         self.url = f"http://{bound_host}:{bound_port}"
         return self.url
 

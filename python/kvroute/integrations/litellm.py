@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Where a request's leases ride: ``metadata[LEASES_KEY] = {deployment id: ticket}``.
 LEASES_KEY = "kvroute_leases"
+#: How long a pick waits, at most, for the KV-event history of engines it has just registered.
+SYNC_TIMEOUT = 5.0
 
 
 def _deployment_id(d: Mapping[str, Any]) -> str:
@@ -88,11 +90,27 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
     # ---- the pick ------------------------------------------------------------------------
 
     def pick(self, model: str, healthy: Iterable[Mapping[str, Any]], messages: Any, input: Any, request_kwargs: dict[str, Any]) -> Any:
+        candidates = self._candidates(model, healthy)
+        self.engines.wait_synced(SYNC_TIMEOUT)
+        return self._pick(candidates, messages, input, request_kwargs)
+
+    async def apick(
+        self, model: str, healthy: Iterable[Mapping[str, Any]], messages: Any, input: Any, request_kwargs: dict[str, Any]
+    ) -> Any:
+        """``pick`` for the async hooks: the wait for a new engine's KV-event history does not block the loop."""
+        candidates = self._candidates(model, healthy)
+        await self.engines.wait_synced_async(SYNC_TIMEOUT)
+        return self._pick(candidates, messages, input, request_kwargs)
+
+    def _candidates(self, model: str, healthy: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         candidates = {_deployment_id(d): d for d in healthy}
         if not candidates:
             raise NoCandidates(f"no healthy deployment for model {model!r}")
         for did, d in candidates.items():
             self._register(did, d)
+        return candidates
+
+    def _pick(self, candidates: dict[str, Any], messages: Any, input: Any, request_kwargs: dict[str, Any]) -> Any:
         metadata = request_kwargs.get("metadata")
         if not isinstance(metadata, dict):
             metadata = request_kwargs["metadata"] = {}
@@ -180,7 +198,7 @@ class KvrouteProxyHandler(KvrouteCallback):
     ) -> list[Any]:
         if not healthy_deployments:
             return healthy_deployments
-        return [self.pick(model, healthy_deployments, messages, None, request_kwargs if request_kwargs is not None else {})]
+        return [await self.apick(model, healthy_deployments, messages, None, request_kwargs if request_kwargs is not None else {})]
 
 
 class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ignore]
@@ -210,7 +228,7 @@ class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ig
     ) -> Any:
         kw: dict[str, Any] = request_kwargs if request_kwargs is not None else {}
         healthy = await self.router.select(model, kw, kind="healthy", messages=messages)
-        return self.callback.pick(model, healthy, messages, input, kw)
+        return await self.callback.apick(model, healthy, messages, input, kw)
 
     def get_available_deployment(
         self,

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 #: What a replica's ``record_replica_metadata()`` returns for the router: ``engine_url`` (required),
 #: ``kv_events`` and ``kv_events_replay`` (optional ZMQ endpoints).
 ENGINE_METADATA_KEYS = ("engine_url", "kv_events", "kv_events_replay")
+#: How long a routing decision waits, at most, for the KV-event history of engines just registered.
+SYNC_TIMEOUT = 5.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -216,6 +218,9 @@ class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
         found = _request_body(pending_request)
         if pending_request is None or not by_key:
             return [candidate_replicas]
+        # A router made by a handle's first call, or one that just met a new engine, replays the
+        # engines' KV-event history first (bounded), so it does not route blind to what they cache.
+        await self.engines.wait_synced_async(SYNC_TIMEOUT)
         rid = pending_request.metadata.internal_request_id
         excluded = _excluded_urls(pending_request)
         failed = self._failed_keys(by_key, excluded)
