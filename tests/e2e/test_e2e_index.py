@@ -197,10 +197,15 @@ def test_index_mirrors_engines(live_engines: list[vllm_bed.Engine]) -> None:
     late = kvroute.KvIndex()
     late_sub = m.subscriber(late)
     with m.sub:
-        # Resets published (on the sync requests' steps) and the subscriber connected to both engines.
-        m.until_received(m.sub, lambda s, w: s["workers"][w]["batches"] > 0, "main subscriber")
-        for w in range(len(engines)):
-            assert m.router.index.num_blocks(w) == m.blocks_of(w, m.rows), "after the reset only the sync requests' blocks are cached"
+        # The start-up replay brings the earlier tests' history; the resets go out on each engine's
+        # next step, so sync requests until each worker holds their blocks and nothing else.
+        assert m.sub.wait_for(lambda s: s["synced"], 10.0), m.sub.stats()
+
+        def only_sync_blocks(_: Any, w: int) -> bool:
+            n = m.blocks_of(w, m.rows)
+            return n > 0 and m.router.index.num_blocks(w) == n
+
+        m.until_received(m.sub, only_sync_blocks, "main subscriber")
 
         # 1. A multi-prefix workload in a 32-block cache: hits and evictions.
         for what, body in workload(rng, vocab, 36, prefixes):
