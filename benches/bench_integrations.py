@@ -14,7 +14,8 @@ prompts unless given (on this bed it measured ~24,500 tokens/s, close to the Rou
 tiny model prefills fast, and TTFT is mostly queueing and HTTP), and their decode step model (``decode_step_s``,
 ``decode_tokens_per_s``; calibrate_decode), from which its default policy charges the step a new prefill runs in
 beside the requests already on an engine (``--decode-model off``: the Router sees no decode interference, as before
-2026-12-02). ``--kvroute-policy`` picks the Router policy.
+2026-12-02). ``--kvroute-policy`` picks the Router policy; a ``kvroute:POLICY`` entry in ``--litellm-policies`` or
+``--ray-policies`` adds a kvroute run with that Router policy, so two policies compare in one run.
 
 Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
 (the engines' prefix-cache hits / queries deltas), "ttft_p50_ms", "ttft_p99_ms" (client, to the first
@@ -31,7 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,10 @@ class KvrouteSettings:
     policy: str | None
     decode: dict[str, float]
 
+    def for_entry(self, entry: str) -> KvrouteSettings:
+        """The settings of a policy-list entry: ``kvroute`` as given, ``kvroute:POLICY`` with that Router policy."""
+        return replace(self, policy=entry.split(":", 1)[1]) if entry.startswith("kvroute:") else self
+
     def kwargs(self) -> dict[str, Any]:
         """``EngineRouter`` keyword arguments (Ray: ``request_router_kwargs``)."""
         return {
@@ -244,6 +249,36 @@ async def drive_litellm(router: Any, convs: list[Conversation], clients: int, re
     res.wall_s = time.perf_counter() - t0
 
 
+# LiteLLM's own routing_strategy values (litellm.Router), any of which may run beside kvroute.
+LITELLM_STRATEGIES = (
+    "simple-shuffle",
+    "least-busy",
+    "usage-based-routing",
+    "usage-based-routing-v2",
+    "latency-based-routing",
+    "cost-based-routing",
+)
+
+
+def is_kvroute(entry: str) -> bool:
+    """``kvroute`` or ``kvroute:POLICY`` in a policy list."""
+    return entry == "kvroute" or entry.startswith("kvroute:")
+
+
+def check_policies(flag: str, entries: list[str], peers: Sequence[str]) -> None:
+    """Reject an unknown entry (or an unknown kvroute Router policy) before any engine starts."""
+    from kvroute import POLICIES
+
+    for e in entries:
+        if e in peers or e == "kvroute":
+            continue
+        if e.startswith("kvroute:") and e.split(":", 1)[1] in POLICIES:
+            continue
+        raise SystemExit(
+            f"{flag}: unknown entry {e!r}; expected kvroute, kvroute:POLICY (POLICY one of {', '.join(POLICIES)}) or one of {', '.join(peers)}"
+        )
+
+
 def run_litellm(
     engines: list[Engine],
     convs: list[Conversation],
@@ -270,9 +305,9 @@ def run_litellm(
         saved = list(litellm.callbacks)
         er = None
         try:
-            if policy == "kvroute":
+            if is_kvroute(policy):
                 router = litellm.Router(model_list=model_list, num_retries=0)
-                er = EngineRouter(**kv.kwargs())
+                er = EngineRouter(**kv.for_entry(policy).kwargs())
                 if diag:
                     er.leases.router = ExplainingRouter(er.router)
                 router.register_plugin(KvrouteStrategy(router, er))
@@ -287,8 +322,8 @@ def run_litellm(
             if er is not None:
                 er.close()
         rows.append(summarise("litellm", policy, 1, engines, res, before, after))
-        if policy == "kvroute":
-            rows[-1].update(kv.row())
+        if is_kvroute(policy):
+            rows[-1].update(kv.for_entry(policy).row())
             if er is not None and isinstance(er.leases.router, ExplainingRouter):
                 rows[-1]["diag"] = er.leases.router.summary()
         print(f"litellm {policy}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
@@ -318,11 +353,11 @@ def run_ray(
     rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        runs = [(p, 2) for p in policies] + ([("kvroute", 1)] if "kvroute" in policies else [])
+        runs = [(p, 2) for p in policies] + [(p, 1) for p in policies if is_kvroute(p)]
         for policy, ingresses in runs:
             reset(engines)
-            cls = RAY_POLICIES[policy]
-            kwargs = kv.kwargs() if policy == "kvroute" else {}
+            cls = RAY_POLICIES["kvroute" if is_kvroute(policy) else policy]
+            kwargs = kv.for_entry(policy).kwargs() if is_kvroute(policy) else {}
             serve.run(
                 build_app(specs, request_router_class=cls, request_router_kwargs=kwargs, ingress_replicas=ingresses),
                 name="bench",
@@ -334,8 +369,8 @@ def run_ray(
             after = counters(engines)
             serve.delete("bench")
             rows.append(summarise("ray", policy, ingresses, engines, res, before, after))
-            if policy == "kvroute":
-                rows[-1].update(kv.row())
+            if is_kvroute(policy):
+                rows[-1].update(kv.for_entry(policy).row())
             print(f"ray {policy} x{ingresses}: {res.wall_s:.0f} s", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
@@ -382,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--diag", action="store_true", help="LiteLLM kvroute: count the routes that left the best-cached engine (explain)")
     a = ap.parse_args(argv)
+    check_policies("--litellm-policies", a.litellm_policies.split(","), LITELLM_STRATEGIES)
+    check_policies("--ray-policies", a.ray_policies.split(","), [p for p in RAY_POLICIES if p != "kvroute"])
 
     bed = Bed()
     why = bed.missing()
