@@ -42,11 +42,12 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn warm_route_does_not_allocate() {
-    for policy in ["slack", "ttft", "cache_aware", "cost", "least_load"] {
+    for policy in ["slack", "ttft", "cache_aware", "cost", "least_load", "capacity"] {
         let cfg = RouterConfig { policy: policy.into(), ttft_slo: Some(2.0), ..Default::default() };
         let router = Router::new(cfg, None).unwrap();
         for w in 0..64 {
-            router.add_worker(w, WorkerSpec::default()).unwrap();
+            // A prefix-cache size: "capacity" then reads every worker's occupancy on each route.
+            router.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(1000), ..Default::default() }).unwrap();
         }
         let prompt: Vec<u32> = (0..8192u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
         let hashes = sequence_hashes(&prompt[..6000], 64, DEFAULT_SEED, None);

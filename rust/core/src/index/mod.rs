@@ -890,6 +890,25 @@ impl KvIndex {
         (0..NUM_SHARDS).map(|s| self.shard(s).read().counts.get(slot as usize).copied().unwrap_or(0)).sum()
     }
 
+    /// `num_blocks` of many workers at once, into `out` (0 for a worker the index does not know):
+    /// one read lock per shard for all of them, where `num_blocks` takes one per shard per worker.
+    /// `slots` is scratch space; both vectors keep their capacity, so a warm call allocates nothing.
+    pub fn num_blocks_into(&self, workers: impl ExactSizeIterator<Item = WorkerId>, slots: &mut Vec<u32>, out: &mut Vec<u64>) {
+        slots.clear();
+        {
+            let reg = self.registry.read();
+            slots.extend(workers.map(|w| reg.slot_of.get(&w).copied().unwrap_or(u32::MAX)));
+        }
+        out.clear();
+        out.resize(slots.len(), 0);
+        for s in 0..NUM_SHARDS {
+            let g = self.shard(s).read();
+            for (o, &slot) in out.iter_mut().zip(slots.iter()) {
+                *o += g.counts.get(slot as usize).copied().unwrap_or(0);
+            }
+        }
+    }
+
     /// Distinct blocks (nodes) in the index.
     pub fn len(&self) -> usize {
         self.nodes.load(Relaxed)

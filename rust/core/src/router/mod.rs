@@ -76,6 +76,10 @@ struct State {
     shifts: Vec<f64>,
     cands: Vec<Candidate>,
     overlaps: Vec<u32>,
+    /// Per worker (same order), the blocks the index holds for it: read once per route, only when
+    /// the capacity charge needs it (`occupancy_slots` is the read's scratch).
+    indexed_blocks: Vec<u64>,
+    occupancy_slots: Vec<u32>,
     rotation: u64,
     rr: u64,
     rng: Rng,
@@ -150,6 +154,8 @@ impl Router {
                 shifts: Vec::new(),
                 cands: Vec::new(),
                 overlaps: Vec::new(),
+                indexed_blocks: Vec::new(),
+                occupancy_slots: Vec::new(),
                 rotation: 0,
                 rr: 0,
                 rng,
@@ -433,7 +439,8 @@ impl Router {
         })
     }
 
-    fn candidate(&self, w: &WorkerLoad, overlap: u32, now: f64, num_tokens: u64, transfer_time: f64) -> Candidate {
+    /// `indexed`: the blocks the index holds for `w` (read only where the capacity charge is on).
+    fn candidate(&self, w: &WorkerLoad, overlap: u32, now: f64, num_tokens: u64, transfer_time: f64, indexed: u64) -> Candidate {
         let cached = (overlap as u64 * self.cfg.block_size as u64).min(num_tokens);
         let uncached = num_tokens - cached;
         let queue_delay = w.queue_delay(now);
@@ -441,12 +448,16 @@ impl Router {
         let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
         let capacity_aware = self.cfg.policy == "capacity";
         let (evicted, fill) = match w.spec.prefix_cache_blocks {
-            // Only looked up when needed: the index's occupancy count reads every index shard, so
-            // an engine-reported usage (observe(kv_usage=...)) is used first.
             Some(capacity) if capacity_aware || self.cfg.eviction_weight > 0.0 => {
+                // The index counts the cached blocks the engine's KV events reported. An engine's
+                // own usage cannot replace it: vLLM's kv_cache_usage_perc counts the blocks running
+                // requests hold, and a cached block no request holds counts as free (it sits in the
+                // free queue until evicted), so a warm LRU that is full of cached prefixes reports
+                // near 0. What the usage adds is blocks held but not (yet) cached, so the occupancy
+                // is the larger of the two.
                 let used = match w.observed.kv_usage {
-                    Some(u) if capacity_aware => (u * capacity as f64).round() as u64,
-                    _ => self.index.num_blocks(w.id),
+                    Some(u) if capacity_aware => indexed.max((u * capacity as f64).round() as u64),
+                    _ => indexed,
                 };
                 // The engine stores the full blocks it lacks; an LRU at capacity evicts as many.
                 let evicted = (used + stored).saturating_sub(capacity).min(stored);
@@ -546,8 +557,15 @@ impl Router {
                 }
             }
         }
+        // The index's occupancy per worker, for the capacity charge only (it reads every shard).
+        let occupancy = cfg.policy == "capacity" || cfg.eviction_weight > 0.0;
+        if occupancy {
+            let State { workers, indexed_blocks, occupancy_slots, .. } = st;
+            self.index.num_blocks_into(workers.iter().map(|w| w.id), occupancy_slots, indexed_blocks);
+        }
         let kv_need = (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs);
         let pd = st.workers.iter().any(|w| w.spec.role == Role::Decode);
+        let indexed_at = |st: &State, at: usize| if occupancy { st.indexed_blocks[at] } else { 0 };
         let uncached_on = |st: &State, at: usize| num_tokens - (st.overlaps[at] as u64 * bs).min(num_tokens);
 
         // Decode side first: nothing is spent on a request that cannot be decoded.
@@ -604,7 +622,7 @@ impl Router {
                 }
                 _ => 0.0,
             };
-            let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer);
+            let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer, indexed_at(st, at));
             st.cands.push(c);
         }
         let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
@@ -615,7 +633,7 @@ impl Router {
         if !pd && st.cands.is_empty() {
             // Unified mode, every worker lacks KV room or would miss the TPOT SLO.
             let at = pinned.unwrap_or_else(|| (0..st.workers.len()).max_by_key(|&i| st.workers[i].kv_free()).expect("non-empty"));
-            let c = self.candidate(&st.workers[at], st.overlaps[at], now, num_tokens, 0.0);
+            let c = self.candidate(&st.workers[at], st.overlaps[at], now, num_tokens, 0.0, indexed_at(st, at));
             predicted_tpot = st.workers[at].tpot_with_one_more(cfg.decode_step_s);
             return Ok(self.rejection(c, None, decode_miss_reason, predicted_tpot, num_tokens, req, &st.cands));
         }
@@ -629,7 +647,7 @@ impl Router {
         let mut chosen: Option<(Candidate, Reason)> = None;
         if let (Some(d), true) = (decode_at, pd && cfg.local_prefill_max_tokens > 0 && pinned.is_none()) {
             if uncached_on(st, d) <= cfg.local_prefill_max_tokens {
-                let c = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0);
+                let c = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0, indexed_at(st, d));
                 if !cfg.reject || keeps_slo(cfg.ttft_slo, c.predicted_ttft) {
                     chosen = Some((c, Reason::ShortPrompt));
                     path = Path::Local;
@@ -678,7 +696,7 @@ impl Router {
                 // Conditional disaggregation, busy prefill pool: the decode worker is sooner.
                 let busy = cfg.prefill_busy_queue_s.is_some_and(|q| c.queue_delay > q);
                 if let (Some(d), true) = (decode_at, pd && busy && pinned.is_none()) {
-                    let local = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0);
+                    let local = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0, indexed_at(st, d));
                     if local.predicted_ttft < c.predicted_ttft {
                         path = Path::Local;
                         fetch_from = None;

@@ -591,11 +591,25 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     let slack_cost = |q: f64, work: f64| 0.2 * q + work + 8.0 * work * (q + work) / 2.0;
     assert!((rows[0].score - slack_cost(0.4, 512.0 / 20_000.0)).abs() < 1e-12);
     assert!((rows[1].score - (slack_cost(0.0, 2048.0 / 20_000.0) + 3.0 * t_block * 32.0)).abs() < 1e-12);
-    // An engine-reported usage replaces the index's count: worker 1 reported empty evicts nothing,
-    // and its copy of the 24 blocks worker 0 holds costs nothing while its cache is empty.
+    // An engine-reported usage below the index's count does not empty the cache: vLLM reports the
+    // blocks running requests hold, and its cached blocks count as free there (evictable, still
+    // cached). Worker 1 reporting 0 still evicts its 32 indexed blocks.
     cap.observe(1, Observed { kv_usage: Some(0.0), ..Default::default() }, None, Some(0.0)).unwrap();
     let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 0);
+    let rows = d.explain.unwrap();
+    assert!((rows[1].score - (slack_cost(0.0, 2048.0 / 20_000.0) + 3.0 * t_block * 32.0)).abs() < 1e-12);
+    // Once the index holds nothing for worker 1 (its engine's events removed every block), it
+    // evicts nothing and its copy of the 24 blocks worker 0 holds costs nothing while its cache is
+    // empty: the request goes to the idle worker.
+    cap.index().clear(1);
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), ..Default::default() }).unwrap();
     assert_eq!(d.worker, 1);
+    // A usage above the index's count (blocks held by running requests, not cached yet) is what
+    // the cache holds: reported full, worker 1 evicts again.
+    cap.observe(1, Observed { kv_usage: Some(1.0), ..Default::default() }, None, Some(0.0)).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 0);
 }
 
 #[test]

@@ -7,8 +7,10 @@
 //! (`t_block` = one block's prefill time on that worker.)
 //!
 //! - `evicted`: cached blocks the worker's LRU must drop to store the blocks it lacks (its
-//!   configured `prefix_cache_blocks`, occupancy from the engine's reported `kv_usage` or the
-//!   index). An evicted block costs `t_block` (its prefill time there) if it is asked for again.
+//!   configured `prefix_cache_blocks`; occupancy = the cached blocks the index holds for it, or the
+//!   engine's reported `kv_usage` when that is larger: vLLM counts cached blocks no request holds
+//!   as free, so its usage alone reads a full LRU as nearly empty). An evicted block costs
+//!   `t_block` (its prefill time there) if it is asked for again.
 //! - `duplicated_into_free`: blocks of this prompt already resident on another worker that this
 //!   worker would store again into free space. A copy evicts nothing now, but it takes room that
 //!   a distinct block would otherwise use; `fill` (the occupied fraction) is the chance that room
