@@ -14,7 +14,8 @@ prompts unless given (on this bed it measured ~24,500 tokens/s, close to the Rou
 tiny model prefills fast, and TTFT is mostly queueing and HTTP), and their decode step model (``decode_step_s``,
 ``decode_tokens_per_s``; calibrate_decode), from which its default policy charges the step a new prefill runs in
 beside the requests already on an engine (``--decode-model off``: the Router sees no decode interference, as before
-2026-12-02). ``--kvroute-policy`` picks the Router policy; a ``kvroute:POLICY`` entry in ``--litellm-policies`` or
+2026-12-02), and their prefix-cache size (``--num-blocks`` minus vLLM's null block; only the ``capacity`` policy
+reads it). ``--kvroute-policy`` picks the Router policy; a ``kvroute:POLICY`` entry in ``--litellm-policies`` or
 ``--ray-policies`` adds a kvroute run with that Router policy, so two policies compare in one run.
 
 Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
@@ -148,6 +149,7 @@ class KvrouteSettings:
     prefill_tokens_per_s: float
     policy: str | None
     decode: dict[str, float]
+    prefix_cache_blocks: int
 
     def for_entry(self, entry: str) -> KvrouteSettings:
         """The settings of a policy-list entry: ``kvroute`` as given, ``kvroute:POLICY`` with that Router policy."""
@@ -160,6 +162,7 @@ class KvrouteSettings:
             "block_size": BLOCK_SIZE,
             "metrics_interval": 0.5,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "prefix_cache_blocks": self.prefix_cache_blocks,
             **self.decode,
             **({"policy": self.policy} if self.policy else {}),
         }
@@ -169,6 +172,7 @@ class KvrouteSettings:
         return {
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
             "kvroute_policy": self.policy or "slack",
+            "prefix_cache_blocks": self.prefix_cache_blocks,
             "decode_model": self.decode or None,
         }
 
@@ -438,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if decode is None:
             decode = decode_model(*calibrate_decode(engines[0], words))
         print(f"kvroute decode model = {decode}", file=sys.stderr, flush=True)
-        kv = KvrouteSettings(str(bed.model), prefill, a.kvroute_policy, decode)
+        # vLLM keeps one of its blocks as the null block: the prefix cache holds the rest.
+        kv = KvrouteSettings(str(bed.model), prefill, a.kvroute_policy, decode, a.num_blocks - 1)
         if "litellm" in wanted:
             rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), kv, a.diag)
         if "ray" in wanted:

@@ -249,6 +249,31 @@ def test_engine_router_decode_speed_charges_the_step_beside_running_requests() -
     assert er.router.route(hashes=h, num_tokens=576).worker == 0
 
 
+def test_engine_router_prefix_cache_size_lets_capacity_charge_evictions() -> None:
+    """Engines registered with their prefix-cache size: ``capacity`` charges what a placement evicts
+    from a full cache, and an engine's reported KV usage (vLLM's counts only blocks running requests
+    hold; its cached blocks count as free) does not make a full cache look empty."""
+    for bad in (0, -1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="prefix_cache_blocks"):
+            EngineRouter(prefix_cache_blocks=bad)  # type: ignore[arg-type]
+
+    def make(policy: str) -> EngineRouter:
+        er = EngineRouter(block_size=16, prefix_cache_blocks=32, policy=policy, ttft_slo=2.0, pending_prefixes=False)
+        for key in ("a", "b"):
+            er.add(key, f"http://127.0.0.1:{ord(key) + 8000}")
+        er.router.index.store(0, h[:24])  # "a" holds 24 of the prompt's 32 blocks and is busy
+        er.router.index.store(1, _hashes(31, blocks=32))  # "b" is idle, its cache full of other blocks
+        er.router.observe(0, queue_delay=0.4)
+        er.router.observe(1, kv_usage=0.0)  # what vLLM reports for a full cache nobody is using
+        return er
+
+    h = _hashes(30, blocks=32)
+    assert [make("slack").router.load(w)["prefix_cache_blocks"] for w in (0, 1)] == [32, 32]
+    assert make("slack").router.route(hashes=h, num_tokens=512).worker == 1  # slack recomputes on the idle engine
+    d = make("capacity").router.route(hashes=h, num_tokens=512, explain=True)
+    assert d.worker == 0, d.explain  # storing 32 blocks on "b" would evict 32 cached ones
+
+
 def test_engine_metrics_feed_the_router() -> None:
     aiohttp = pytest.importorskip("aiohttp")
     del aiohttp

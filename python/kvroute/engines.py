@@ -65,7 +65,11 @@ class EngineRouter:
     registers the engines' decode speed: the Router's TPOT model, ``decode_step_s + batch /
     decode_tokens_per_s`` (``decode_step_s`` is a Router argument), and on these unified engines the
     step a new prefill runs in beside the requests already there, which the default policy charges
-    (docs/router.md, "Load model"). ``router_kwargs`` go to ``kvroute.Router``.
+    (docs/router.md, "Load model"). ``prefix_cache_blocks`` (``None`` = unknown) registers the
+    engines' prefix-cache size in KV blocks (vLLM: its ``num_gpu_blocks`` minus its null block), which
+    the ``capacity`` policy (and ``eviction_weight``) needs to charge what a placement evicts; the
+    occupancy is the index's count for the engine, raised by the engine's reported KV usage when
+    that is higher. ``router_kwargs`` go to ``kvroute.Router``.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class EngineRouter:
         topic: str = "",
         prefill_tokens_per_s: float = 20000.0,
         decode_tokens_per_s: float | None = None,
+        prefix_cache_blocks: int | None = None,
         lease_ttl: float = 600.0,
         approx_ttl: float = 120.0,
         metrics_interval: float | None = None,
@@ -95,6 +100,11 @@ class EngineRouter:
         self.topic = topic
         if decode_tokens_per_s is not None and not decode_tokens_per_s > 0:
             raise ValueError(f"decode_tokens_per_s must be > 0 or None, got {decode_tokens_per_s}")
+        if prefix_cache_blocks is not None and (
+            isinstance(prefix_cache_blocks, bool) or not isinstance(prefix_cache_blocks, int) or prefix_cache_blocks < 1
+        ):
+            raise ValueError(f"prefix_cache_blocks must be an int >= 1 (KV blocks) or None, got {prefix_cache_blocks!r}")
+        self.prefix_cache_blocks = prefix_cache_blocks
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_tokens_per_s = decode_tokens_per_s
         self.metrics_interval = metrics_interval
@@ -137,7 +147,12 @@ class EngineRouter:
                 return old
             e = Engine(key, url, self._next_worker, kv_events, kv_events_replay)
             self._next_worker += 1
-            self.router.add_worker(e.worker, prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+            self.router.add_worker(
+                e.worker,
+                prefill_tokens_per_s=self.prefill_tokens_per_s,
+                decode_tokens_per_s=self.decode_tokens_per_s,
+                prefix_cache_blocks=self.prefix_cache_blocks,
+            )
             self._engines[key] = e
             self._by_worker[e.worker] = e
             if kv_events:
