@@ -350,6 +350,12 @@ impl RouterConfig {
         Ok(())
     }
 
+    /// Whether routing charges what a placement evicts from a worker's prefix cache (policy
+    /// "capacity", or `eviction_weight` > 0), and so needs the workers' cache occupancy.
+    pub fn charges_evictions(&self) -> bool {
+        self.policy == "capacity" || self.eviction_weight > 0.0
+    }
+
     /// Seconds to move `tokens` tokens of KV cache over the link (0 tokens: nothing to move).
     pub fn transfer_time(&self, tokens: u64) -> f64 {
         if tokens == 0 {

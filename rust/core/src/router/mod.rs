@@ -448,7 +448,7 @@ impl Router {
         let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
         let capacity_aware = self.cfg.policy == "capacity";
         let (evicted, fill) = match w.spec.prefix_cache_blocks {
-            Some(capacity) if capacity_aware || self.cfg.eviction_weight > 0.0 => {
+            Some(capacity) if self.cfg.charges_evictions() => {
                 // The index counts the cached blocks the engine's KV events reported. An engine's
                 // own usage cannot replace it: vLLM's kv_cache_usage_perc counts the blocks running
                 // requests hold, and a cached block no request holds counts as free (it sits in the
@@ -557,8 +557,9 @@ impl Router {
                 }
             }
         }
-        // The index's occupancy per worker, for the capacity charge only (it reads every shard).
-        let occupancy = cfg.policy == "capacity" || cfg.eviction_weight > 0.0;
+        // The index's occupancy per worker, for the capacity charge only (it reads every shard), and
+        // only where some worker has a prefix-cache size to charge against.
+        let occupancy = cfg.charges_evictions() && st.workers.iter().any(|w| w.spec.prefix_cache_blocks.is_some());
         if occupancy {
             let State { workers, indexed_blocks, occupancy_slots, .. } = st;
             self.index.num_blocks_into(workers.iter().map(|w| w.id), occupancy_slots, indexed_blocks);
