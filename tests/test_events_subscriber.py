@@ -228,6 +228,10 @@ def test_resume_from_continues_a_stream_where_the_previous_subscriber_stopped(ct
     idx = kvroute.KvIndex()
     with KvEventSubscriber(idx, {3: pub.endpoint}, replay_endpoints={3: pub.replay_endpoint}, block_size=BS) as sub:
         pub.wait_for_subscriber()
+        # The start-up replay (nothing buffered yet) is over before publishing: a replay answered
+        # after 10 batches would carry only the last 8, end at the last seq, and satisfy caught_up
+        # before the live batches 0..9 are read (the stream is right once they are, via a clear).
+        assert sub.wait_for(lambda s: s["synced"], TIMEOUT), sub.stats()
         for toks in reqs[:10]:
             pub.publish(eng.encode(eng.process(toks)))
         assert sub.wait_for(caught_up({3: pub}), TIMEOUT)
