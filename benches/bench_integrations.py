@@ -153,7 +153,8 @@ class KvrouteSettings:
 
     def for_entry(self, entry: str) -> KvrouteSettings:
         """The settings of a policy-list entry: ``kvroute`` as given, ``kvroute:POLICY`` with that Router policy."""
-        return replace(self, policy=entry.split(":", 1)[1]) if entry.startswith("kvroute:") else self
+        policy = kvroute_policy(entry)
+        return self if policy is None else replace(self, policy=policy)
 
     def kwargs(self) -> dict[str, Any]:
         """``EngineRouter`` keyword arguments (Ray: ``request_router_kwargs``)."""
@@ -264,9 +265,15 @@ LITELLM_STRATEGIES = (
 )
 
 
+def kvroute_policy(entry: str) -> str | None:
+    """The Router policy a ``kvroute:POLICY`` entry names (``None`` for a bare ``kvroute`` or a peer);
+    the one place such an entry is parsed."""
+    return entry.split(":", 1)[1] if entry.startswith("kvroute:") else None
+
+
 def is_kvroute(entry: str) -> bool:
     """``kvroute`` or ``kvroute:POLICY`` in a policy list."""
-    return entry == "kvroute" or entry.startswith("kvroute:")
+    return entry == "kvroute" or kvroute_policy(entry) is not None
 
 
 def check_policies(flag: str, entries: list[str], peers: Sequence[str]) -> None:
@@ -276,7 +283,7 @@ def check_policies(flag: str, entries: list[str], peers: Sequence[str]) -> None:
     for e in entries:
         if e in peers or e == "kvroute":
             continue
-        if e.startswith("kvroute:") and e.split(":", 1)[1] in POLICIES:
+        if kvroute_policy(e) in POLICIES:
             continue
         raise SystemExit(
             f"{flag}: unknown entry {e!r}; expected kvroute, kvroute:POLICY (POLICY one of {', '.join(POLICIES)}) or one of {', '.join(peers)}"

@@ -253,9 +253,11 @@ def test_engine_router_prefix_cache_size_lets_capacity_charge_evictions() -> Non
     """Engines registered with their prefix-cache size: ``capacity`` charges what a placement evicts
     from a full cache, and an engine's reported KV usage (vLLM's counts only blocks running requests
     hold; its cached blocks count as free) does not make a full cache look empty."""
-    for bad in (0, -1, 1.5, True, "64"):
+    for bad in (-1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="prefix_cache_blocks"):
             EngineRouter(prefix_cache_blocks=bad)  # type: ignore[arg-type]
+    # 0 (prefix caching off) is accepted, as Router.add_worker accepts it, and charged nothing.
+    assert EngineRouter(prefix_cache_blocks=0).prefix_cache_blocks == 0
 
     def make(policy: str) -> EngineRouter:
         er = EngineRouter(block_size=16, prefix_cache_blocks=32, policy=policy, ttft_slo=2.0, pending_prefixes=False)

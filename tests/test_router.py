@@ -253,6 +253,23 @@ def test_bad_slack_settings_are_rejected(kw):
         Router(**kw)
 
 
+def test_a_zero_block_prefix_cache_is_charged_nothing():
+    # Prefix caching off: no cached block to evict and no room a copy takes, so `capacity` and
+    # the eviction charge score it as a worker whose cache size is unknown.
+    def scores(size, **kw):
+        r = Router(ttft_slo=2.0, tie_break="lowest", **kw)
+        for w in range(2):
+            r.add_worker(w, prefill_tokens_per_s=SPEED, prefix_cache_blocks=size)
+        hold(r, 0, prompt(40, 640))
+        for _ in range(4):  # cached prompts, so capacity's reuse estimate is above 0
+            r.route(prompt(40, 640), now=0.0)
+        return [e["score"] for e in r.route(prompt(42, 256), now=0.0, explain=True).explain]
+
+    for kw in ({"policy": "capacity"}, {"policy": "slack", "eviction_weight": 1.0}):
+        assert scores(0, **kw) == scores(None, **kw), kw
+        assert scores(1, **kw) != scores(None, **kw), kw  # a 1-block cache is charged
+
+
 def test_bad_prefix_cache_blocks_is_rejected():
     with pytest.raises(ValueError, match="prefix_cache_blocks"):
         Router().add_worker(0, prefix_cache_blocks=-1)

@@ -69,7 +69,7 @@ class EngineRouter:
     engines' prefix-cache size in KV blocks (vLLM: its ``num_gpu_blocks`` minus its null block), which
     the ``capacity`` policy (and ``eviction_weight``) needs to charge what a placement evicts; the
     occupancy is the index's count for the engine, raised by the engine's reported KV usage when
-    that is higher. ``router_kwargs`` go to ``kvroute.Router``.
+    that is higher. 0 (prefix caching off) is charged nothing, as ``None`` is: no cached block to evict. ``router_kwargs`` go to ``kvroute.Router``.
     """
 
     def __init__(
@@ -101,9 +101,9 @@ class EngineRouter:
         if decode_tokens_per_s is not None and not decode_tokens_per_s > 0:
             raise ValueError(f"decode_tokens_per_s must be > 0 or None, got {decode_tokens_per_s}")
         if prefix_cache_blocks is not None and (
-            isinstance(prefix_cache_blocks, bool) or not isinstance(prefix_cache_blocks, int) or prefix_cache_blocks < 1
+            isinstance(prefix_cache_blocks, bool) or not isinstance(prefix_cache_blocks, int) or prefix_cache_blocks < 0
         ):
-            raise ValueError(f"prefix_cache_blocks must be an int >= 1 (KV blocks) or None, got {prefix_cache_blocks!r}")
+            raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {prefix_cache_blocks!r}")
         self.prefix_cache_blocks = prefix_cache_blocks
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_tokens_per_s = decode_tokens_per_s

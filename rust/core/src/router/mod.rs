@@ -448,7 +448,8 @@ impl Router {
         let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
         let capacity_aware = self.cfg.policy == "capacity";
         let (evicted, fill) = match w.spec.prefix_cache_blocks {
-            Some(capacity) if self.cfg.charges_evictions() => {
+            // A 0-block cache (prefix caching off) holds nothing to evict and no room a copy takes.
+            Some(capacity) if capacity > 0 && self.cfg.charges_evictions() => {
                 // The index counts the cached blocks the engine's KV events reported. An engine's
                 // own usage cannot replace it: vLLM's kv_cache_usage_perc counts the blocks running
                 // requests hold, and a cached block no request holds counts as free (it sits in the
@@ -461,7 +462,7 @@ impl Router {
                 };
                 // The engine stores the full blocks it lacks; an LRU at capacity evicts as many.
                 let evicted = (used + stored).saturating_sub(capacity).min(stored);
-                (evicted, if capacity > 0 { (used as f64 / capacity as f64).min(1.0) } else { 1.0 })
+                (evicted, (used as f64 / capacity as f64).min(1.0))
             }
             _ => (0, 0.0),
         };
