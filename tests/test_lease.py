@@ -263,6 +263,12 @@ def test_engine_router_prefix_cache_size_lets_capacity_charge_evictions() -> Non
         er = EngineRouter(block_size=16, prefix_cache_blocks=32, policy=policy, ttft_slo=2.0, pending_prefixes=False)
         for key in ("a", "b"):
             er.add(key, f"http://127.0.0.1:{ord(key) + 8000}")
+        # "b"'s engine evicted 4 blocks and a prompt asked for 3 of them again: capacity measures
+        # that an evicted block comes back (p = 3/4), so an eviction costs recompute.
+        back = _hashes(32)
+        er.router.index.store(1, back[:4])
+        er.router.index.remove(1, back[:4])
+        er.router.route(hashes=back[:3], num_tokens=48)
         er.router.index.store(0, h[:24])  # "a" holds 24 of the prompt's 32 blocks and is busy
         er.router.index.store(1, _hashes(31, blocks=32))  # "b" is idle, its cache full of other blocks
         er.router.observe(0, queue_delay=0.4)

@@ -253,6 +253,18 @@ def test_bad_slack_settings_are_rejected(kw):
         Router(**kw)
 
 
+def evictions_asked_again(r: Router, at: float = 0.0) -> None:
+    """Worker 1's engine evicts 4 blocks and a prompt at `at` asks for 3 of them again, so
+    `capacity` measures p = 3/4 (an eviction costs 3 blocks of recompute)."""
+    bs = r.config["block_size"]
+    x, y = prompt(60, 8 * bs), prompt(61, bs)
+    hold(r, 1, x[: 3 * bs])
+    hold(r, 1, y)
+    r.index.remove(1, kvroute.block_hashes(x[: 3 * bs], bs))
+    r.index.remove(1, kvroute.block_hashes(y, bs))
+    r.route(x, now=at)
+
+
 def test_a_zero_block_prefix_cache_is_charged_nothing():
     # Prefix caching off: no cached block to evict and no room a copy takes, so `capacity` and
     # the eviction charge score it as a worker whose cache size is unknown.
@@ -260,14 +272,36 @@ def test_a_zero_block_prefix_cache_is_charged_nothing():
         r = Router(ttft_slo=2.0, tie_break="lowest", **kw)
         for w in range(2):
             r.add_worker(w, prefill_tokens_per_s=SPEED, prefix_cache_blocks=size)
+        evictions_asked_again(r)  # so capacity's reuse is above 0 (its queue is gone by t = 100)
         hold(r, 0, prompt(40, 640))
-        for _ in range(4):  # cached prompts, so capacity's reuse estimate is above 0
-            r.route(prompt(40, 640), now=0.0)
-        return [e["score"] for e in r.route(prompt(42, 256), now=0.0, explain=True).explain]
+        return [e["score"] for e in r.route(prompt(42, 256), now=100.0, explain=True).explain]
 
     for kw in ({"policy": "capacity"}, {"policy": "slack", "eviction_weight": 1.0}):
         assert scores(0, **kw) == scores(None, **kw), kw
         assert scores(1, **kw) != scores(None, **kw), kw  # a 1-block cache is charged
+
+
+def test_capacity_measures_how_often_an_evicted_block_comes_back():
+    # The engine evicts 8 blocks of a conversation and 8 of another; a later turn of the first asks
+    # for its 8 again: half the evictions came back, so an eviction is charged p / (1 - p) = 1 block
+    # of recompute. slack does not measure it.
+    bs = 16
+    for policy, expected in (("capacity", 0.5), ("slack", 0.0)):
+        r = Router(policy=policy, block_size=bs, ttft_slo=2.0)
+        for w in range(2):
+            r.add_worker(w, prefill_tokens_per_s=SPEED, prefix_cache_blocks=64)
+        conv, other = prompt(50, 8 * bs), prompt(51, 8 * bs)
+        for toks in (conv, other):
+            hold(r, 0, toks)
+        assert r.evicted_reuse(now=0.0) == 0.0  # nothing evicted yet
+        for toks in (conv, other):
+            r.index.remove(0, kvroute.block_hashes(toks, bs))
+        turn = np.concatenate([conv, prompt(52, 4 * bs)])
+        r.route(turn, now=1.0)
+        assert r.evicted_reuse(now=1.0) == pytest.approx(expected)
+        # Each eviction counts once: asking again changes nothing.
+        r.route(turn, now=1.0)
+        assert r.evicted_reuse(now=1.0) == pytest.approx(expected)
 
 
 def test_bad_prefix_cache_blocks_is_rejected():
@@ -631,9 +665,10 @@ def test_capacity_keeps_a_prefix_where_a_full_cache_would_evict():
     picks = {}
     for policy in ("slack", "capacity"):
         r = make_cap(policy)
+        evictions_asked_again(r)  # evicted blocks come back (p = 3/4); t = 100 is long after
         hold(r, 0, p[: 24 * 64])
         hold(r, 1, other)
-        r.observe(0, queue_delay=0.4, now=0.0)
-        d = r.route(p, now=0.0)
+        r.observe(0, queue_delay=0.4, now=100.0)
+        d = r.route(p, now=100.0)
         picks[policy] = (d.worker, d.reason)
     assert picks == {"slack": (1, "slack"), "capacity": (0, "capacity")}

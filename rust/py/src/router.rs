@@ -405,6 +405,13 @@ impl PyRouter {
         self.inner.offered_load(now).map_err(to_py)
     }
 
+    /// "capacity": the fraction of recent evictions (the engines' removals) that a later prompt
+    /// asked for again, the reuse an eviction is charged with; 0 for other policies.
+    #[pyo3(signature = (now = None))]
+    fn evicted_reuse(&self, now: Option<f64>) -> PyResult<f64> {
+        self.inner.evicted_reuse(now).map_err(to_py)
+    }
+
     /// Seconds on the router's default clock (since it was created).
     fn clock(&self) -> f64 {
         self.inner.clock()

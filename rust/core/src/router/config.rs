@@ -356,6 +356,12 @@ impl RouterConfig {
         self.policy == "capacity" || self.eviction_weight > 0.0
     }
 
+    /// Whether the router reads the index's removal log: pending prefixes end at a removal, and
+    /// "capacity" measures how often an evicted block is asked for again.
+    pub fn reads_removals(&self) -> bool {
+        self.pending_prefixes || self.policy == "capacity"
+    }
+
     /// Seconds to move `tokens` tokens of KV cache over the link (0 tokens: nothing to move).
     pub fn transfer_time(&self, tokens: u64) -> f64 {
         if tokens == 0 {

@@ -8,6 +8,7 @@
 pub mod config;
 pub mod decision;
 pub mod decode;
+mod evicted;
 pub mod load;
 pub mod pending;
 pub mod policy;
@@ -26,6 +27,7 @@ use crate::index::{KvIndex, MatchScratch, Matches, Removal, Since, Tier, WorkerI
 pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use decode::{choose_decode, DecodeChoice};
+use evicted::EvictedReuse;
 pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
 use pending::PendingPrefixes;
 use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
@@ -89,14 +91,12 @@ struct State {
     /// The same average of squared tokens: with `offered_rate`, the estimate's standard error.
     offered_sq: f64,
     offered_at: Option<f64>,
-    /// Decaying average (same window) of the fraction of arriving prompts' full blocks cached on
-    /// some worker: how likely a cached block is to be asked for again ("capacity").
-    reuse: f64,
-    reuse_at: Option<f64>,
+    /// How likely a block an engine evicts is asked for again ("capacity"; fed by the removal log).
+    evicted: EvictedReuse,
     /// Prefixes routed but not yet confirmed by KV events (`RouterConfig::pending_prefixes`).
     pending: PendingPrefixes,
     pending_alive: Vec<WorkerId>,
-    /// Where this router is in the index's removal log (pending prefixes on).
+    /// Where this router is in the index's removal log (`RouterConfig::reads_removals`).
     removal_cursor: u64,
 }
 
@@ -121,7 +121,7 @@ pub struct Router {
 
 impl Drop for Router {
     fn drop(&mut self) {
-        if self.cfg.pending_prefixes {
+        if self.cfg.reads_removals() {
             self.index.unsubscribe_removals();
         }
     }
@@ -142,8 +142,9 @@ impl Router {
         let policy = make_policy(&cfg).ok_or_else(|| RouterError::InvalidConfig(format!("unknown policy {:?}", cfg.policy)))?;
         let rng = Rng::new(cfg.seed);
         let index = index.unwrap_or_else(|| Arc::new(KvIndex::new(None)));
-        // Pending prefixes end at the engine's removals, which the index logs for this router.
-        let removal_cursor = if cfg.pending_prefixes { index.subscribe_removals() } else { 0 };
+        // Pending prefixes end at the engine's removals, and "capacity" learns from them how often
+        // an evicted block comes back: the index logs them for this router.
+        let removal_cursor = if cfg.reads_removals() { index.subscribe_removals() } else { 0 };
         Ok(Router {
             policy,
             index,
@@ -163,8 +164,7 @@ impl Router {
                 offered_rate: 0.0,
                 offered_sq: 0.0,
                 offered_at: None,
-                reuse: 0.0,
-                reuse_at: None,
+                evicted: EvictedReuse::default(),
                 pending: PendingPrefixes::default(),
                 pending_alive: Vec::new(),
                 removal_cursor,
@@ -234,9 +234,10 @@ impl Router {
     }
 
     fn reindex(st: &mut State) {
-        let State { workers, pos, .. } = st;
+        let State { workers, pos, evicted, .. } = st;
         pos.clear();
         pos.extend(workers.iter().enumerate().map(|(i, w)| (w.id, i)));
+        evicted.set_capacity(workers.iter().filter_map(|w| w.spec.prefix_cache_blocks).sum());
     }
 
     /// Registered worker ids, ascending.
@@ -261,7 +262,7 @@ impl Router {
     pub fn num_pending_blocks(&self, now: Option<f64>) -> Result<usize, RouterError> {
         let now = self.now(now)?;
         let mut st = self.state.lock();
-        self.expire_pending(&mut st, now);
+        self.drain_removals(&mut st, now);
         Ok(st.pending.num_blocks())
     }
 
@@ -493,21 +494,37 @@ impl Router {
         }
     }
 
-    /// Drops what no longer counts as pending: blocks the engines reported removed since the
-    /// last look (the index's removal log), then entries past their expiry.
-    fn expire_pending(&self, st: &mut State, now: f64) {
-        if !self.cfg.pending_prefixes {
+    /// Reads the blocks the engines reported removed since the last look (the index's removal
+    /// log): they no longer count as pending, and ("capacity") they are evictions whose reuse is
+    /// measured. Then drops pending entries past their expiry.
+    fn drain_removals(&self, st: &mut State, now: f64) {
+        if !self.cfg.reads_removals() {
             return;
         }
-        let State { pending, removal_cursor, .. } = st;
+        let (pend, evict, tau) = (self.cfg.pending_prefixes, self.cfg.policy == "capacity", self.cfg.load_window());
+        let State { pending, evicted, removal_cursor, .. } = st;
         let lost = self.index.removals_since(removal_cursor, |r| match r {
-            Removal::Block(w, h) => pending.void_block(w, h),
-            Removal::Worker(w) => pending.void_worker(w),
+            Removal::Block(w, h) => {
+                if pend {
+                    pending.void_block(w, h);
+                }
+                if evict {
+                    evicted.evicted(h, now, tau);
+                }
+            }
+            Removal::Worker(w) => {
+                if pend {
+                    pending.void_worker(w)
+                }
+            }
         });
         if lost == Since::Lost {
             pending.void_all();
+            evicted.forget();
         }
-        pending.expire(now);
+        if pend {
+            pending.expire(now);
+        }
     }
 
     fn decide(
@@ -541,11 +558,11 @@ impl Router {
                 st.overlaps[at] = d;
             }
         }
+        self.drain_removals(st, now);
         if cfg.pending_prefixes {
             // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
             // holds only what the index lacked when it was routed). Workers without an index
             // prefix share one walk from block 0; each worker with one continues from its end.
-            self.expire_pending(st, now);
             let State { pending, pending_alive, overlaps, pos, .. } = st;
             pending.overlaps(hashes, pending_alive, |w, d| {
                 if let Some(&at) = pos.get(&w) {
@@ -628,7 +645,7 @@ impl Router {
             st.cands.push(c);
         }
         let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
-        let reuse = Self::record_reuse(st, cfg, now, num_tokens);
+        let reuse = Self::record_reuse(st, cfg, now, hashes);
         if st.cands.is_empty() && decode_filtered == 0 {
             return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
         }
@@ -802,27 +819,25 @@ impl Router {
         }
     }
 
-    /// Folds this arrival's reuse (full blocks cached on its best candidate / its full blocks)
-    /// into a decaying average over the load window and returns it. Only "capacity" reads it.
-    fn record_reuse(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> f64 {
-        let full = num_tokens / cfg.block_size as u64;
-        if cfg.policy != "capacity" || full == 0 {
-            return st.reuse;
+    /// "capacity": this arrival asks again for the evicted blocks past every worker's cached
+    /// prefix (see `evicted`); returns how likely an evicted block is to be asked for again.
+    fn record_reuse(st: &mut State, cfg: &RouterConfig, now: f64, hashes: &[u64]) -> f64 {
+        if cfg.policy != "capacity" {
+            return 0.0;
         }
-        let best = st.cands.iter().map(|c| c.overlap_blocks as u64).max().unwrap_or(0).min(full);
-        let x = best as f64 / full as f64;
-        let tau = cfg.load_window();
-        match st.reuse_at {
-            None => st.reuse = x,
-            Some(t) => {
-                // Weight of the old average: exp(-dt / tau), at least a per-arrival floor so that a
-                // burst at one instant still averages instead of replacing.
-                let keep = (-(now - t).max(0.0) / tau).exp().min(1.0 - 1.0 / 64.0);
-                st.reuse = keep * st.reuse + (1.0 - keep) * x;
-            }
-        }
-        st.reuse_at = Some(st.reuse_at.map_or(now, |t| t.max(now)));
-        st.reuse
+        let best = st.cands.iter().map(|c| c.overlap_blocks as usize).max().unwrap_or(0);
+        st.evicted.asked(hashes, best, now, cfg.load_window());
+        st.evicted.p()
+    }
+
+    /// "capacity": how likely a block an engine evicts is to be asked for again (the fraction of
+    /// recent evictions asked for again, see `evicted`), after reading the removals logged since
+    /// the last route; 0 for other policies and before any eviction.
+    pub fn evicted_reuse(&self, now: Option<f64>) -> Result<f64, RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        self.drain_removals(&mut st, now);
+        Ok(st.evicted.p())
     }
 
     /// The offered prefill load as a fraction of the prefill pool's capacity, decayed to `now`

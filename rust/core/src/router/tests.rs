@@ -560,8 +560,11 @@ fn node_score_is_seed_003s_weighted_score() {
 fn capacity_charges_the_evictions_a_full_cache_makes() {
     // Worker 0 holds 24 of the prompt's 32 blocks but is 0.4 s behind; worker 1 is idle with a full
     // 32-block prefix cache of other blocks. slack recomputes on worker 1; capacity sees that
-    // storing 32 blocks there evicts 32 cached ones (reused with p = 24/32: 3 blocks of recompute
-    // each) and keeps the request where its prefix is.
+    // storing 32 blocks there evicts 32 cached ones (reused with p = 3/4: 3 blocks of recompute
+    // each) and keeps the request where its prefix is. p is measured: worker 1's engine evicted 4
+    // blocks, and a prompt asked for 3 of them again before (at t = 0; the rest runs at t = T,
+    // when that prompt's queue is long gone).
+    const T: f64 = 100.0;
     let a = prompt(21, 2048);
     let other = prompt(22, 2048);
     let make = |policy: &str| {
@@ -576,15 +579,23 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
         }
+        let x = prompt(23, 8 * 64);
+        let (y, ys) = (prompt(24, 64), sequence_hashes(&prompt(24, 64), 64, crate::DEFAULT_SEED, None));
+        let xs = sequence_hashes(&x, 64, crate::DEFAULT_SEED, None);
+        store(&r, 1, &x[..3 * 64]);
+        store(&r, 1, &y);
+        r.index().remove(1, &xs[..3], ANY_TIER);
+        r.index().remove(1, &ys, ANY_TIER);
+        route(&r, &x, 0.0);
         store(&r, 0, &a[..24 * 64]);
         store(&r, 1, &other);
-        r.observe(0, Observed::default(), Some(0.4), Some(0.0)).unwrap();
+        r.observe(0, Observed::default(), Some(0.4), Some(T)).unwrap();
         r
     };
     let slack = make("slack");
-    assert_eq!(route(&slack, &a, 0.0).worker, 1);
+    assert_eq!(route(&slack, &a, T).worker, 1);
     let cap = make("capacity");
-    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(T), explain: true, ..Default::default() }).unwrap();
     assert_eq!((d.worker, d.reason), (0, Reason::Capacity));
     let rows = d.explain.unwrap();
     let t_block = 64.0 / 20_000.0;
@@ -594,8 +605,8 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     // An engine-reported usage below the index's count does not empty the cache: vLLM reports the
     // blocks running requests hold, and its cached blocks count as free there (evictable, still
     // cached). Worker 1 reporting 0 still evicts its 32 indexed blocks.
-    cap.observe(1, Observed { kv_usage: Some(0.0), ..Default::default() }, None, Some(0.0)).unwrap();
-    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
+    cap.observe(1, Observed { kv_usage: Some(0.0), ..Default::default() }, None, Some(T)).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(T), explain: true, ..Default::default() }).unwrap();
     assert_eq!(d.worker, 0);
     let rows = d.explain.unwrap();
     assert!((rows[1].score - (slack_cost(0.0, 2048.0 / 20_000.0) + 3.0 * t_block * 32.0)).abs() < 1e-12);
@@ -603,12 +614,12 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     // evicts nothing and its copy of the 24 blocks worker 0 holds costs nothing while its cache is
     // empty: the request goes to the idle worker.
     cap.index().clear(1);
-    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), ..Default::default() }).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(T), ..Default::default() }).unwrap();
     assert_eq!(d.worker, 1);
     // A usage above the index's count (blocks held by running requests, not cached yet) is what
     // the cache holds: reported full, worker 1 evicts again.
-    cap.observe(1, Observed { kv_usage: Some(1.0), ..Default::default() }, None, Some(0.0)).unwrap();
-    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(0.0), ..Default::default() }).unwrap();
+    cap.observe(1, Observed { kv_usage: Some(1.0), ..Default::default() }, None, Some(T)).unwrap();
+    let d = cap.route(&RouteRequest { tokens: Some(&a), now: Some(T), ..Default::default() }).unwrap();
     assert_eq!(d.worker, 0);
 }
 

@@ -15,12 +15,17 @@
 //!   worker would store again into free space. A copy evicts nothing now, but it takes room that
 //!   a distinct block would otherwise use; `fill` (the occupied fraction) is the chance that room
 //!   is needed before it is freed.
-//! - `reuse` = p / (1 - p), p = how likely a cached block is to be asked for again, estimated as
-//!   the recent fraction of arriving prompts' full blocks that were cached somewhere (a decaying
-//!   average over the load window; p capped at 0.95). An evicted block that is asked for again is
-//!   recomputed, and storing it again evicts another block that is reused with the same chance:
-//!   the expected recompute of one eviction is p + p^2 + ... = p / (1 - p) blocks. Where nothing
-//!   is reused the term vanishes and the rule is slack.
+//! - `reuse` = p / (1 - p), p = how likely an *evicted* block is to be asked for again, measured
+//!   (`router::evicted`): the fraction of the engines' recent evictions (their removals, from the
+//!   index's removal log) whose block a later prompt asked for again past every worker's cached
+//!   prefix (decaying averages over the load window; p capped at 0.95). An evicted block that is
+//!   asked for again is recomputed, and storing it again evicts another block that comes back
+//!   with the same chance: the expected recompute of one eviction is p + p^2 + ... = p / (1 - p)
+//!   blocks. Where evictions are not asked for again the term vanishes and the rule is slack.
+//!   Until 2026-12-03 p was the arriving prompts' hit fraction, which is the hot blocks' reuse,
+//!   not the LRU tail's: with agents' shared tool prefixes it was about 0.93 (13 blocks of
+//!   recompute per eviction) while the blocks actually evicted came back a third of the time
+//!   (0.33 at the end of an agent 32/s run; seed chat 80/s, whose conversations return, 0.95).
 //!
 //! No constant is fitted: the weight is slack's `prefill_weight` (recompute later is compute,
 //! as the prefill now is). Workers without `prefix_cache_blocks` are charged nothing.
