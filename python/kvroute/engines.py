@@ -69,7 +69,8 @@ class EngineRouter:
     engines' prefix-cache size in KV blocks (vLLM: its ``num_gpu_blocks`` minus its null block), which
     the ``capacity`` policy (and ``eviction_weight``) needs to charge what a placement evicts; the
     occupancy is the index's count for the engine, raised by the engine's reported KV usage when
-    that is higher. 0 (prefix caching off) is charged nothing, as ``None`` is: no cached block to evict. ``router_kwargs`` go to ``kvroute.Router``.
+    that is higher. 0 (prefix caching off) is charged nothing, as ``None`` is: no cached block to
+    evict. ``router_kwargs`` go to ``kvroute.Router``.
     """
 
     def __init__(

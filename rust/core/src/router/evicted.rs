@@ -24,17 +24,23 @@ use hashbrown::HashMap;
 const MIN_CAP: usize = 1 << 10;
 const MAX_CAP: usize = 1 << 20;
 
-#[derive(Default)]
 pub struct EvictedReuse {
     /// Block hash -> serial of its latest eviction still remembered.
     set: HashMap<u64, u64>,
     /// (hash, serial) in eviction order; an entry whose serial is no longer the set's is stale.
     order: VecDeque<(u64, u64)>,
     serial: u64,
+    /// Most evictions remembered, in [`MIN_CAP`, `MAX_CAP`].
     cap: usize,
     evicted: f64,
     reused: f64,
     at: Option<f64>,
+}
+
+impl Default for EvictedReuse {
+    fn default() -> Self {
+        EvictedReuse { set: HashMap::new(), order: VecDeque::new(), serial: 0, cap: MIN_CAP, evicted: 0.0, reused: 0.0, at: None }
+    }
 }
 
 impl EvictedReuse {
@@ -45,14 +51,14 @@ impl EvictedReuse {
     }
 
     fn trim(&mut self) {
-        while self.set.len() > self.cap.max(MIN_CAP) {
+        while self.set.len() > self.cap {
             let Some((h, s)) = self.order.pop_front() else { break };
             if self.set.get(&h) == Some(&s) {
                 self.set.remove(&h);
             }
         }
         // Stale entries (re-evicted or asked for since) must not grow the queue without bound.
-        if self.order.len() > 2 * self.cap.max(MIN_CAP) {
+        if self.order.len() > 2 * self.cap {
             let set = &self.set;
             self.order.retain(|(h, s)| set.get(h) == Some(s));
         }
@@ -60,7 +66,7 @@ impl EvictedReuse {
 
     fn decay(&mut self, now: f64, tau: f64) {
         if let Some(t) = self.at {
-            let keep = (-(now - t).max(0.0) / tau).exp().min(1.0);
+            let keep = (-(now - t).max(0.0) / tau).exp();
             self.evicted *= keep;
             self.reused *= keep;
         }

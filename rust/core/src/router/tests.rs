@@ -580,8 +580,8 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
         }
         let x = prompt(23, 8 * 64);
-        let (y, ys) = (prompt(24, 64), sequence_hashes(&prompt(24, 64), 64, crate::DEFAULT_SEED, None));
-        let xs = sequence_hashes(&x, 64, crate::DEFAULT_SEED, None);
+        let y = prompt(24, 64);
+        let (xs, ys) = (sequence_hashes(&x, 64, crate::DEFAULT_SEED, None), sequence_hashes(&y, 64, crate::DEFAULT_SEED, None));
         store(&r, 1, &x[..3 * 64]);
         store(&r, 1, &y);
         r.index().remove(1, &xs[..3], ANY_TIER);
