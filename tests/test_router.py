@@ -302,6 +302,9 @@ def test_capacity_measures_how_often_an_evicted_block_comes_back():
         # Each eviction counts once: asking again changes nothing.
         r.route(turn, now=1.0)
         assert r.evicted_reuse(now=1.0) == pytest.approx(expected)
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(ValueError, match="now"):
+                r.evicted_reuse(now=bad)
 
 
 def test_bad_prefix_cache_blocks_is_rejected():
