@@ -1,6 +1,6 @@
 """kvroute's index and hashing side by side with NVIDIA Dynamo's `RadixTree`, same workload, same run.
 
-Usage: python benches/compare_index.py [--workload interleaved|in-order|vllm-replay] [--quick] [--json PATH]
+Usage: python benches/compare_index.py [--workload interleaved|churn|in-order|vllm-replay] [--quick] [--json PATH]
 Prints one table (ours, Dynamo's, ratio); Dynamo columns are skipped if ai-dynamo-runtime is absent.
 `--workload vllm-replay` replays a KV-event stream recorded from a real vLLM engine
 (`benches/record_vllm_events.py`; `--events PATH`) through both indexes, then matches its prompts.
@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import kvroute
 from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree
-from workload import Stream, chat_workload, in_order_stream, interleaved_workload, long_sessions
+from workload import Stream, chat_workload, churn_workload, in_order_stream, interleaved_workload, long_sessions
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -46,39 +46,54 @@ def time_calls(fn, args_list, repeat: int) -> list[float]:
     return out
 
 
-def store_args(stream: Stream) -> list[tuple[int, np.ndarray, int | None]]:
-    """The stream's stores as `KvIndex.store` arguments (worker, hashes, parent)."""
+def store_args(stream: Stream) -> list[tuple[int, np.ndarray, int | None, list[int]]]:
+    """The stream's stores as `KvIndex.store` arguments (worker, hashes, parent), each with the
+    blocks the worker evicted just before it (empty unless the workload has a cache capacity)."""
     out = []
     for st in stream.stores:
         seq = stream.sessions[st.session].seq
-        out.append((st.worker, seq[st.start : st.end], int(seq[st.start - 1]) if st.start else None))
+        out.append((st.worker, seq[st.start : st.end], int(seq[st.start - 1]) if st.start else None, st.evicted))
     return out
 
 
 def dynamo_events(stream: Stream) -> list[tuple[int, bytes]]:
+    """Dynamo's router events for the stream: before a store, one `removed` event with the blocks
+    its worker evicted (where there are any), as kvroute gets them in one `remove` call."""
     lists = [(s.seq.tolist(), s.local.tolist()) for s in stream.sessions]
     out = []
-    for eid, st in enumerate(stream.stores):
+    eid = 0
+    for st in stream.stores:
+        if st.evicted:
+            out.append((st.worker, json.dumps({"event_id": eid, "data": {"removed": {"block_hashes": st.evicted}}}).encode()))
+            eid += 1
         seq, loc = lists[st.session]
         parent = seq[st.start - 1] if st.start else None
         out.append((st.worker, dynamo_stored_event(eid, seq[st.start : st.end], loc[st.start : st.end], parent)))
+        eid += 1
     return out
+
+
+def stream_blocks(stream: Stream) -> int:
+    """Blocks the stream stores plus blocks it removes."""
+    return sum(st.end - st.start + len(st.evicted) for st in stream.stores)
 
 
 def build_kvroute(stream: Stream) -> tuple[kvroute.KvIndex, float, int]:
     idx = kvroute.KvIndex()
     work = store_args(stream)
     t = time.perf_counter()
-    for w, hs, p in work:
+    for w, hs, p, gone in work:
+        if gone:
+            idx.remove(w, gone)
         idx.store(w, hs, parent=p)
     dt = time.perf_counter() - t
-    return idx, dt, sum(len(x[1]) for x in work)
+    return idx, dt, stream_blocks(stream)
 
 
 def build_dynamo(stream: Stream):
     tree = dynamo_tree()
     events = dynamo_events(stream)
-    blocks = sum(st.end - st.start for st in stream.stores)
+    blocks = stream_blocks(stream)
     t = time.perf_counter()
     for w, e in events:
         tree.apply_event(w, e)
@@ -212,7 +227,19 @@ def make_streams(workload: str, workers: int, entries: int) -> list[tuple[str, S
         sessions = chat_workload(workers, entries)
         return [(f"{b}-block events", in_order_stream(sessions, b)) for b in (16, 64)]
     # A smaller stream (--quick) keeps fewer sessions open, so that some still reach 1024 blocks.
-    return [("interleaved turns", interleaved_workload(workers, entries, open_sessions=128 if entries >= 1_000_000 else 32))]
+    open_sessions = 128 if entries >= 1_000_000 else 32
+    if workload == "churn":
+        return [("churn: stores + removals", churn_workload(workers, entries, open_sessions=open_sessions))]
+    return [("interleaved turns", interleaved_workload(workers, entries, open_sessions=open_sessions))]
+
+
+def match_sessions(workload: str, sessions: list, blocks: int) -> list:
+    """The sessions whose first `blocks` blocks are the match queries. Under churn, the most
+    recently opened ones (what a router is asked about: conversations still in the caches, though
+    some of their blocks may have been evicted since); otherwise the first ones."""
+    if workload == "churn":
+        return long_sessions(sessions[::-1], blocks)[:300]
+    return long_sessions(sessions, blocks)[:300]
 
 
 def rss_bytes() -> int:
@@ -239,7 +266,9 @@ def memory_child(which: str, workload: str, workers: int, entries: int) -> None:
     gc.collect()
     before = rss_bytes()
     idx = kvroute.KvIndex()
-    for w, hs, p in work:
+    for w, hs, p, gone in work:
+        if gone:
+            idx.remove(w, gone)
         idx.store(w, hs, parent=p)
     used = rss_bytes() - before
     st = idx.stats()
@@ -262,9 +291,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures as JSON")
     ap.add_argument(
         "--workload",
-        choices=["interleaved", "in-order", "vllm-replay"],
+        choices=["interleaved", "churn", "in-order", "vllm-replay"],
         default="interleaved",
         help="interleaved: small turns of many open sessions, as engines publish them (default); "
+        "churn: the same with each worker's cache an LRU of 1/W of the entries, evicting (removal "
+        "events) as it stores, for three times the entries; "
         "in-order: each session stored whole in 16- or 64-block batches; "
         "vllm-replay: a KV-event stream recorded from a real vLLM engine (--events)",
     )
@@ -315,13 +346,16 @@ def main() -> None:
                     theirs = max(theirs, n2 / dt2)
             row(f"W={workers} store, {label} (blocks/s, best of {STORE_BUILDS})", ours, theirs if dyn else None, "blocks/s")
         for blocks in (128, 1024):
-            qs = long_sessions(sessions, blocks)[:300]
+            qs = match_sessions(a.workload, sessions, blocks)
             q_seq = [s.seq[:blocks] for s in qs]
             q_loc = [s.local[:blocks].tolist() for s in qs]
             assert all(len(idx.match(q)) >= 1 for q in q_seq)
             if tree is not None:  # same answers before timing
                 for s, ql in zip(qs[:20], q_loc[:20]):
                     assert dict(idx.match(s.seq[:blocks])) == dynamo_scores(tree, ql)
+            if a.workload == "churn":  # some queries' blocks were evicted since: how deep they match
+                depth = statistics.mean(max(dict(idx.match(q)).values(), default=0) for q in q_seq)
+                row(f"W={workers} match {blocks} blocks: mean depth matched", depth, None, "blocks")
             ours_t = time_calls(idx.match, q_seq, 5)
             theirs_t = time_calls(tree.find_matches, q_loc, 5) if tree is not None else None
             row(

@@ -24,6 +24,7 @@
 //! keeps every chain intact, and forgetting a block only ever shortens a match, never lengthens it.
 
 mod dump;
+mod free;
 mod holders;
 mod removals;
 mod shard;

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 
+use super::free::FreeSlots;
 use super::holders::{self, HolderArena, Holders, SetDir, TierMask};
 use super::slab::{ChunkDir, Slab};
 use super::table::{self, Table};
@@ -411,7 +412,7 @@ fn put_after(nodes: &mut Slab, p: u32, node: NodeVal) -> Result<u32, NodeVal> {
 pub(crate) struct Shard {
     pub shared: Arc<Shared>,
     pub nodes: Slab,
-    free: Vec<u32>,
+    free: FreeSlots,
     /// Entries in the table, and how many more it takes before it must grow (tombstones use
     /// room up, as in hashbrown).
     table_items: usize,
@@ -436,7 +437,7 @@ impl Shard {
             nodes: Slab::new(shared.clone(), recency),
             arena: HolderArena::new(shared.clone()),
             shared,
-            free: Vec::new(),
+            free: FreeSlots::default(),
             table_items: 0,
             table_growth_left: table::capacity_of(buckets),
             counts: Vec::new(),
@@ -498,6 +499,12 @@ impl Shard {
             }
         }
         t
+    }
+
+    /// Free slab slots (not counting those reserved for runs).
+    #[cfg(test)]
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
     }
 
     /// Slab slots available without allocating (free-list slots included).
@@ -639,19 +646,20 @@ impl Shard {
             start -= 1;
         }
         let len = p as usize - start + 1;
-        let cap = (2 * (len + 1)).clamp(MIN_RUN, MAX_RUN);
-        // Where the run goes: a contiguous stretch on top of the free list (runs freed earlier),
-        // else the end of the slab; but not while holes already outnumber live nodes, so that
-        // churn (removals, eviction) cannot grow the slab without bound.
-        let base = match self.take_free_stretch(cap) {
-            Some(b) => b,
-            None if self.free.len() > self.live + HOLES_ALLOWED || self.nodes.len() + cap >= MAX_NODES_PER_SHARD => return None,
+        let want = (2 * (len + 1)).clamp(MIN_RUN, MAX_RUN);
+        // Where the run goes: a stretch of free slots (runs freed earlier, evicted chains) with
+        // room reserved after it, else one just long enough, else the end of the slab; but not
+        // while holes already outnumber live nodes, so that churn (removals, eviction) cannot grow
+        // the slab without bound.
+        let (base, cap) = match self.free.take_stretch(want, want) {
+            Some(got) => got,
+            None if self.free.len() > self.live + HOLES_ALLOWED || self.nodes.len() + want >= MAX_NODES_PER_SHARD => return None,
             None => {
                 let b = self.nodes.len();
-                for _ in 0..cap {
+                for _ in 0..want {
                     self.nodes.push(NodeVal::placeholder());
                 }
-                b
+                (b, want)
             }
         };
         for k in 0..len {
@@ -675,17 +683,6 @@ impl Shard {
             self.nodes.set_children(base + k, RESERVED);
         }
         Some(((base + len) as u32, (base + len - 1) as u32))
-    }
-
-    /// `n` consecutive slots from the top of the free list, if its last `n` entries are that.
-    fn take_free_stretch(&mut self, n: usize) -> Option<usize> {
-        let top = self.free.len().checked_sub(n)?;
-        let first = self.free[top];
-        if !self.free[top..].iter().enumerate().all(|(k, &v)| v == first + k as u32) {
-            return None;
-        }
-        self.free.truncate(top);
-        Some(first as usize)
     }
 
     /// Returns the reserved slots from `i` on to the free list (their run lost its tail).
@@ -908,7 +905,7 @@ impl Shard {
 
     pub fn bytes(&self) -> usize {
         self.nodes.bytes()
-            + self.free.capacity() * 4
+            + self.free.bytes()
             + self.table_ref().bytes()
             + self.arena.bytes()
             + self.counts.capacity() * 8

@@ -593,3 +593,57 @@ fn a_snapshot_without_recency_loads_as_older_than_what_follows() {
     assert_eq!(depth(&capped, &b, 1), Some(10), "what was stored after the load stays");
     assert!(depth(&capped, &a, 1).unwrap_or(0) < 10, "the loaded chain is evicted first");
 }
+
+#[test]
+fn chains_stay_in_consecutive_slots_under_churn() {
+    // Eight sessions at a time under one shared root grow in interleaved 4-block turns, while an
+    // overflowing cache evicts the oldest session deepest block first, one removal per block (as
+    // vLLM publishes them). The freed stretches must be found again, so that a session's blocks
+    // keep sitting in a few runs of consecutive slots (walks follow runs without the table);
+    // before, the slots freed in descending order were taken one by one, a run per block.
+    let idx = KvIndex::new(None);
+    let root = chain(900, 1);
+    idx.store(1, &root, None, Tier::Device).unwrap();
+    const LEN: usize = 64;
+    const CAP: usize = 2000;
+    let sessions: Vec<Vec<u64>> = (0..400).map(|k| [root.clone(), chain(1000 + k, LEN)].concat()).collect();
+    let mut grown = vec![1usize; sessions.len()]; // blocks stored (block 0 is the root)
+    let mut kept = vec![0usize; sessions.len()]; // blocks still held past the root
+    let (mut next, mut oldest, mut live) = (0usize, 0usize, 0usize);
+    let mut open: Vec<usize> = Vec::new();
+    while next < sessions.len() || !open.is_empty() {
+        while open.len() < 8 && next < sessions.len() {
+            open.push(next);
+            next += 1;
+        }
+        for k in std::mem::take(&mut open) {
+            let (c, g) = (&sessions[k], grown[k]);
+            let end = (g + 4).min(LEN + 1);
+            while live + (end - g) > CAP {
+                // Evict the oldest session's deepest blocks.
+                let d = kept[oldest];
+                if d == 0 {
+                    oldest += 1;
+                    continue;
+                }
+                idx.remove(1, &sessions[oldest][d..d + 1], ANY_TIER);
+                kept[oldest] -= 1;
+                live -= 1;
+            }
+            idx.store(1, &c[g..end], Some(c[g - 1]), Tier::Device).unwrap();
+            (grown[k], kept[k]) = (end, end - 1);
+            live += end - g;
+            if end <= LEN {
+                open.push(k);
+            }
+        }
+    }
+    let shard = idx.shard(root_shard(root[0])).read();
+    let free_before = shard.free_slots();
+    assert!(free_before > 0, "the cache overflowed");
+    for c in &sessions[sessions.len() - 8..] {
+        let slots: Vec<u32> = c.iter().map(|&h| shard.find(h).expect("a recent session is held")).collect();
+        let runs = 1 + slots.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        assert!(runs <= 8, "{runs} runs for {} blocks: {slots:?}", c.len());
+    }
+}
