@@ -23,7 +23,9 @@
 //! Diagnostics for where a tail comes from: `KVROUTE_BENCH_WRITER_NO_STORES=1` keeps the writer
 //! thread and its pacing but makes it store nothing (the tail of a thread that wakes ~15k times a
 //! second beside the reader); `KVROUTE_BENCH_WRITER_SPIN=1` paces the writer by spinning instead
-//! of sleeping.
+//! of sleeping. `KVROUTE_BENCH_WRITER_CHURN=1` makes the writer's cache overflow: past 256k of its
+//! blocks it removes as many as it stores, the oldest session's deepest 64-block chunk first (as an
+//! LRU engine evicts), so slots are freed and reused under the readers.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -170,6 +172,9 @@ fn pct(xs: &[f64], q: f64) -> f64 {
     xs[((xs.len() as f64 * q) as usize).min(xs.len() - 1)]
 }
 
+/// Blocks the writer keeps stored with `KVROUTE_BENCH_WRITER_CHURN`.
+const WRITER_CACHE: usize = 256 * 1024;
+
 /// Runs of the whole measurement; the JSON line reports the worst of them.
 const RUNS: usize = 5;
 
@@ -188,6 +193,10 @@ fn main() {
     let widx: &KvIndex = if std::env::var_os("KVROUTE_BENCH_SEPARATE_WRITER").is_some() { &separate } else { &idx };
     let no_stores = std::env::var_os("KVROUTE_BENCH_WRITER_NO_STORES").is_some();
     let spin = std::env::var_os("KVROUTE_BENCH_WRITER_SPIN").is_some();
+    let churn = std::env::var_os("KVROUTE_BENCH_WRITER_CHURN").is_some();
+    // The writer's stored chunks, oldest session first, and how many blocks they hold (churn).
+    let mut held: std::collections::VecDeque<(u64, &[u64])> = Default::default();
+    let mut held_blocks = 0usize;
     println!("index: {} nodes, {} entries", idx.len(), idx.stats().entries);
     // The writer goes on where the previous measurement stopped, so it always stores new blocks.
     let mut next_session = 0usize;
@@ -212,6 +221,7 @@ fn main() {
             // A writer paced at ~1M blocks/s (64-block stores) while one thread measures.
             let stop = AtomicBool::new(false);
             let stored = AtomicU64::new(0);
+            let removed = AtomicU64::new(0);
             let first = next_session;
             let (busy, reached) = std::thread::scope(|s| {
                 let writer = s.spawn(|| {
@@ -227,6 +237,28 @@ fn main() {
                             let parent = (c > 0).then(|| sess.seq[c * 64 - 1]);
                             if !no_stores {
                                 widx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
+                            }
+                            if churn {
+                                held.push_back((1000 + (k as u64 % 8), chunk));
+                                held_blocks += chunk.len();
+                                // The oldest session's deepest chunk goes first: the oldest chunk
+                                // whose successor in `held` is not of the same session.
+                                while held_blocks > WRITER_CACHE {
+                                    let first = held[0].1.as_ptr();
+                                    let mut last = 0;
+                                    while last + 1 < held.len()
+                                        && held[last + 1].1.as_ptr() == held[last].1.as_ptr().wrapping_add(held[last].1.len())
+                                    {
+                                        last += 1;
+                                    }
+                                    let (w, c) = held.remove(last).unwrap();
+                                    debug_assert!(first <= c.as_ptr());
+                                    if !no_stores {
+                                        widx.remove(w, c, ANY_TIER);
+                                    }
+                                    held_blocks -= c.len();
+                                    removed.fetch_add(c.len() as u64, Ordering::Relaxed);
+                                }
                             }
                             let n = stored.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
                             let due = Duration::from_secs_f64(n as f64 / 1e6);
@@ -254,7 +286,7 @@ fn main() {
                 let secs = t0.elapsed().as_secs_f64();
                 stop.store(true, Ordering::Relaxed);
                 let reached = writer.join().unwrap();
-                ((lat, stored.load(Ordering::Relaxed) as f64 / secs), reached)
+                ((lat, stored.load(Ordering::Relaxed) as f64 / secs, removed.load(Ordering::Relaxed) as f64 / secs), reached)
             });
             next_session = reached;
             let (scaling, ratio) = (r2 / r1, pct(&busy.0, 0.99) / pct(&idle, 0.99));
@@ -267,13 +299,14 @@ fn main() {
                 worst_1024 = worst_1024.max(ratio);
             }
             println!(
-                "run {run}, {blocks:>5} blocks: 1 thread {:.2}M match/s, 2 threads {:.2}M match/s ({scaling:.2}x); p50/p99/p99.9 idle {:.2}/{:.2}/{:.2} us, with writer at {:.2}M blocks/s {:.2}/{:.2}/{:.2} us (p99 {ratio:.2}x idle, p99.9 {ratio3:.2}x)",
+                "run {run}, {blocks:>5} blocks: 1 thread {:.2}M match/s, 2 threads {:.2}M match/s ({scaling:.2}x); p50/p99/p99.9 idle {:.2}/{:.2}/{:.2} us, with writer at {:.2}M blocks/s{} {:.2}/{:.2}/{:.2} us (p99 {ratio:.2}x idle, p99.9 {ratio3:.2}x)",
                 r1 / 1e6,
                 r2 / 1e6,
                 pct(&idle, 0.5),
                 pct(&idle, 0.99),
                 pct(&idle, 0.999),
                 busy.1 / 1e6,
+                if churn { format!(" (removing {:.2}M/s)", busy.2 / 1e6) } else { String::new() },
                 pct(&busy.0, 0.5),
                 pct(&busy.0, 0.99),
                 pct(&busy.0, 0.999),
