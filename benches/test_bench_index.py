@@ -1,6 +1,11 @@
 """pytest-benchmark suite for the Python-visible hot paths, with Dynamo's equivalents in the same
 run when ai-dynamo-runtime is installed (compare with `--benchmark-group-by=group`).
 
+Two indexes: the in-order workload (every session stored whole in 64-block batches, which suits
+the index's slab: the `match-*` and `store-*` groups) and, beside it, an engine-like stream whose
+caches overflow (`churn_workload`: interleaved small turns, sessions moving between workers,
+per-worker LRU caches evicting as they store; the `*-churn` groups).
+
 Run: python -m pytest benches --benchmark-enable --benchmark-group-by=group
 """
 
@@ -14,8 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kvroute
+from compare_index import build_dynamo, build_kvroute, match_sessions
 from peers import dynamo_available, dynamo_core, dynamo_stored_event, dynamo_tree
-from workload import chat_workload, long_sessions
+from workload import chat_workload, churn_workload, long_sessions
 
 needs_dynamo = pytest.mark.skipif(not dynamo_available(), reason="ai-dynamo-runtime is not installed")
 ENTRIES = 300_000
@@ -43,6 +49,21 @@ def tree(sessions):
         for i in range(0, len(seq), 64):
             t.apply_event(s.worker, dynamo_stored_event(k, seq[i : i + 64], loc[i : i + 64], seq[i - 1] if i else None))
     return t
+
+
+@pytest.fixture(scope="module")
+def churn():
+    return churn_workload(64, ENTRIES, open_sessions=32)
+
+
+@pytest.fixture(scope="module")
+def churn_index(churn):
+    return build_kvroute(churn)[0]
+
+
+@pytest.fixture(scope="module")
+def churn_tree(churn):
+    return build_dynamo(churn)[0]
 
 
 TOKENS = np.random.default_rng(1).integers(0, 2**17, size=8192, dtype=np.uint32)
@@ -111,3 +132,34 @@ def test_dynamo_store_64(benchmark, sessions) -> None:
         return t
 
     benchmark.pedantic(build, rounds=5)
+
+
+@pytest.mark.parametrize("blocks", [128, 1024])
+def test_kvroute_match_churn(benchmark, churn_index, churn, blocks: int) -> None:
+    benchmark.group = f"match-{blocks}-churn"
+    qs = [s.seq[:blocks] for s in match_sessions("churn", churn.sessions, blocks)[:64]]
+    it = iter(range(10**9))
+    m = benchmark(lambda: churn_index.match(qs[next(it) % len(qs)]))
+    assert len(m) >= 1
+
+
+@needs_dynamo
+@pytest.mark.parametrize("blocks", [128, 1024])
+def test_dynamo_match_churn(benchmark, churn_tree, churn, blocks: int) -> None:
+    benchmark.group = f"match-{blocks}-churn"
+    qs = [s.local[:blocks].tolist() for s in match_sessions("churn", churn.sessions, blocks)[:64]]
+    it = iter(range(10**9))
+    m = benchmark(lambda: churn_tree.find_matches(qs[next(it) % len(qs)]))
+    assert len(m.scores) >= 1
+
+
+def test_kvroute_store_remove_churn(benchmark, churn) -> None:
+    benchmark.group = "store-remove-churn"
+    idx = benchmark.pedantic(lambda: build_kvroute(churn)[0], rounds=3)
+    assert idx.stats()["entries"] <= 64 * -(-ENTRIES // 64)  # each of 64 caches at most full
+
+
+@needs_dynamo
+def test_dynamo_store_remove_churn(benchmark, churn) -> None:
+    benchmark.group = "store-remove-churn"
+    benchmark.pedantic(lambda: build_dynamo(churn)[0], rounds=3)
