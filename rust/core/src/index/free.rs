@@ -86,21 +86,19 @@ impl FreeSlots {
         self.count -= n;
     }
 
-    /// `want` consecutive free slots, else at least `need` (`1 <= need <= want`), taken: the first
-    /// one's index and how many. Next fit: scans at most `SCAN_WORDS` words of the bitmap (4,096
-    /// slots) from where the last search stopped, so a search costs tens of nanoseconds whether or
-    /// not it succeeds, and successive searches sweep the whole slab.
-    pub fn take_stretch(&mut self, want: usize, need: usize) -> Option<(usize, usize)> {
-        debug_assert!(1 <= need && need <= want);
+    /// `n` consecutive free slots (`n >= 1`), taken, as the first one's index. Next fit: scans at
+    /// most `SCAN_WORDS` words of the bitmap (4,096 slots) from where the last search stopped, so a
+    /// search costs tens of nanoseconds whether or not it succeeds, and successive searches sweep
+    /// the whole slab.
+    pub fn take_stretch(&mut self, n: usize) -> Option<usize> {
+        debug_assert!(n >= 1);
         let words = self.bits.len();
-        if self.count < need || words == 0 {
+        if self.count < n || words == 0 {
             return None;
         }
         let start = self.cursor.min(words - 1);
         let (mut run_start, mut run_len) = (0usize, 0usize);
-        let mut fallback: Option<usize> = None; // a stretch of `need`, taken if none of `want`
-        let mut found = None;
-        'scan: for step in 0..words.min(SCAN_WORDS) {
+        for step in 0..words.min(SCAN_WORDS) {
             let w = (start + step) % words;
             if w == 0 {
                 run_len = 0; // a stretch does not wrap around the slab's end
@@ -115,12 +113,10 @@ impl FreeSlots {
                         run_start = w * 64 + b as usize;
                     }
                     run_len += ones as usize;
-                    if run_len >= want {
-                        found = Some((run_start, want));
-                        break 'scan;
-                    }
-                    if run_len >= need && fallback.is_none() {
-                        fallback = Some(run_start);
+                    if run_len >= n {
+                        self.take(run_start, n);
+                        self.cursor = (run_start + n) / 64 % words;
+                        return Some(run_start);
                     }
                     b += ones;
                 } else {
@@ -130,10 +126,7 @@ impl FreeSlots {
             }
             self.cursor = (w + 1) % words;
         }
-        let (base, n) = found.or(fallback.map(|b| (b, need)))?;
-        self.take(base, n);
-        self.cursor = (base + n) / 64 % words;
-        Some((base, n))
+        None
     }
 
     pub fn bytes(&self) -> usize {
@@ -152,9 +145,9 @@ mod tests {
             f.push(i);
         }
         f.push(7);
-        assert_eq!(f.take_stretch(40, 40), Some((100, 40)));
+        assert_eq!(f.take_stretch(40), Some(100));
         assert_eq!(f.len(), 1);
-        assert_eq!(f.take_stretch(2, 2), None);
+        assert_eq!(f.take_stretch(2), None);
         // The stack's entries for the taken slots are skipped.
         assert_eq!(f.pop(), Some(7));
         assert_eq!(f.pop(), None);
@@ -172,12 +165,11 @@ mod tests {
         for i in 0..4 {
             f.push(i);
         }
-        assert_eq!(f.take_stretch(130, 130), Some((60, 130)));
+        assert_eq!(f.take_stretch(130), Some(60));
         // 10 left at 190..200, 6 at 250..256, 4 at 0..4: no 11, and 250..256 + 0..4 is not one.
-        assert_eq!(f.take_stretch(11, 11), None);
-        assert_eq!(f.take_stretch(10, 10), Some((190, 10)));
-        // None of 8 is left; the first of at least 5 is.
-        assert_eq!(f.take_stretch(8, 5), Some((250, 5)));
+        assert_eq!(f.take_stretch(11), None);
+        assert_eq!(f.take_stretch(10), Some(190));
+        assert_eq!(f.take_stretch(5), Some(250));
         assert_eq!(f.len(), 5);
         let mut rest: Vec<u32> = std::iter::from_fn(|| f.pop()).collect();
         rest.sort();
@@ -197,9 +189,9 @@ mod tests {
             f.push(i);
         }
         // The first search reads the first SCAN_WORDS words only; the next goes on from there.
-        assert_eq!(f.take_stretch(16, 16), None);
-        assert_eq!(f.take_stretch(16, 16), None);
-        assert_eq!(f.take_stretch(16, 16), Some((end as usize, 16)));
+        assert_eq!(f.take_stretch(16), None);
+        assert_eq!(f.take_stretch(16), None);
+        assert_eq!(f.take_stretch(16), Some(end as usize));
     }
 
     #[test]
@@ -211,8 +203,8 @@ mod tests {
                 f.push(i);
             }
             // (A search reads SCAN_WORDS words at most; the next one goes on where it stopped.)
-            let got = f.take_stretch(64, 64).or_else(|| f.take_stretch(64, 64));
-            assert_eq!(got, Some((base as usize, 64)));
+            let got = f.take_stretch(64).or_else(|| f.take_stretch(64));
+            assert_eq!(got, Some(base as usize));
         }
         assert_eq!(f.len(), 0);
         assert!(f.stack.len() <= 2 * 64 + 64 + 1, "{}", f.stack.len());
@@ -225,7 +217,7 @@ mod tests {
             for i in 0..8 {
                 f.push(i);
             }
-            assert_eq!(f.take_stretch(8, 8), Some((0, 8)));
+            assert_eq!(f.take_stretch(8), Some(0));
         }
         f.push(3);
         f.push(5);

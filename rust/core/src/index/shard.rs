@@ -646,20 +646,21 @@ impl Shard {
             start -= 1;
         }
         let len = p as usize - start + 1;
-        let want = (2 * (len + 1)).clamp(MIN_RUN, MAX_RUN);
-        // Where the run goes: a stretch of free slots (runs freed earlier, evicted chains) with
-        // room reserved after it, else one just long enough, else the end of the slab; but not
-        // while holes already outnumber live nodes, so that churn (removals, eviction) cannot grow
-        // the slab without bound.
-        let (base, cap) = match self.free.take_stretch(want, want) {
-            Some(got) => got,
-            None if self.free.len() > self.live + HOLES_ALLOWED || self.nodes.len() + want >= MAX_NODES_PER_SHARD => return None,
+        let cap = (2 * (len + 1)).clamp(MIN_RUN, MAX_RUN);
+        // Where the run goes, with room reserved after it: a stretch of free slots (runs freed
+        // earlier, evicted chains), else the end of the slab; but not while holes already
+        // outnumber live nodes, so that churn (removals, eviction) cannot grow the slab without
+        // bound. (A stretch just long enough, without the reserve, was tried: runs then moved
+        // again at their next turn, halving store speed on streams without eviction.)
+        let base = match self.free.take_stretch(cap) {
+            Some(b) => b,
+            None if self.free.len() > self.live + HOLES_ALLOWED || self.nodes.len() + cap >= MAX_NODES_PER_SHARD => return None,
             None => {
                 let b = self.nodes.len();
-                for _ in 0..want {
+                for _ in 0..cap {
                     self.nodes.push(NodeVal::placeholder());
                 }
-                (b, want)
+                b
             }
         };
         for k in 0..len {
