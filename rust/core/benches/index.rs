@@ -6,7 +6,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use kvroute_core::{KvIndex, MatchScratch, Matches, ANY_TIER, DEFAULT_SEED};
 
 mod common;
-use common::{build, build_stream, chat_workload, interleaved_stream, Session};
+use common::{build, build_stream, chat_workload, churn_stream, interleaved_stream, Session};
 
 fn bench_match(c: &mut Criterion) {
     let sessions = chat_workload(64, 1_000_000, 1);
@@ -18,6 +18,13 @@ fn bench_match(c: &mut Criterion) {
     let idx = KvIndex::new(None);
     build_stream(&idx, &sessions, &stores);
     match_group(c, "match_interleaved", &idx, &sessions);
+    drop(idx);
+    // Caches that overflow: the most recently opened sessions, as a router is asked about them.
+    let (mut sessions, stores) = churn_stream(64, 1_000_000, 1);
+    let idx = KvIndex::new(None);
+    build_stream(&idx, &sessions, &stores);
+    sessions.reverse();
+    match_group(c, "match_churn", &idx, &sessions);
 }
 
 fn match_group(c: &mut Criterion, name: &str, idx: &KvIndex, sessions: &[Session]) {

@@ -60,6 +60,8 @@ pub struct Store {
     pub session: usize,
     pub start: usize,
     pub end: usize,
+    /// Blocks `worker` evicted just before this store (`churn_stream`), deepest of a chain first.
+    pub evicted: Vec<u64>,
 }
 
 /// The interleaved event stream of benches/workload.py (`interleaved_workload`, same shape, its
@@ -67,6 +69,57 @@ pub struct Store {
 /// one common block 0, turns of 2-16 blocks each stored under its parent, interleaved at random;
 /// 5% of turns move to another worker, which prefills what it lacks in 16-block stores.
 pub fn interleaved_stream(workers: u64, target_entries: usize, seed: u64) -> (Vec<Session>, Vec<Store>) {
+    stream(workers, target_entries, seed, None)
+}
+
+/// `interleaved_stream` with caches that overflow (benches/workload.py `churn_workload`): each
+/// worker holds at most `target_entries / workers` blocks, an LRU over its sessions' blocks, their
+/// system prompts and block 0 (a turn uses them in that order, so prefixes are the more recently
+/// used); a store that would overflow it first evicts the least recently used blocks, deepest
+/// first (`Store::evicted`); the stream stores three times `target_entries` blocks.
+pub fn churn_stream(workers: u64, target_entries: usize, seed: u64) -> (Vec<Session>, Vec<Store>) {
+    stream(workers, target_entries, seed, Some(target_entries.div_ceil(workers as usize)))
+}
+
+/// What a worker's LRU holds, as units: a session's blocks past its prompt, a prompt's blocks past
+/// block 0, block 0.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Unit {
+    Session(usize),
+    Prompt(usize),
+    Zero,
+}
+
+/// Units by recency: `touch` makes one the most recent, `oldest` is the least.
+#[derive(Default)]
+struct Lru {
+    by_tick: std::collections::BTreeMap<u64, Unit>,
+    tick_of: std::collections::HashMap<Unit, u64>,
+    clock: u64,
+}
+
+impl Lru {
+    fn contains(&self, u: Unit) -> bool {
+        self.tick_of.contains_key(&u)
+    }
+    fn touch(&mut self, u: Unit) {
+        self.clock += 1;
+        if let Some(t) = self.tick_of.insert(u, self.clock) {
+            self.by_tick.remove(&t);
+        }
+        self.by_tick.insert(self.clock, u);
+    }
+    fn oldest(&self) -> Option<Unit> {
+        self.by_tick.values().next().copied()
+    }
+    fn remove(&mut self, u: Unit) {
+        if let Some(t) = self.tick_of.remove(&u) {
+            self.by_tick.remove(&t);
+        }
+    }
+}
+
+fn stream(workers: u64, target_entries: usize, seed: u64, capacity: Option<usize>) -> (Vec<Session>, Vec<Store>) {
     const PROMPTS: usize = 256;
     const CHUNK: usize = 16;
     let mut rng = Rng::new(seed);
@@ -94,8 +147,14 @@ pub fn interleaved_stream(workers: u64, target_entries: usize, seed: u64) -> (Ve
     }
     let mut sessions: Vec<Session> = Vec::new();
     let mut state: Vec<Open> = Vec::new();
-    let mut sys_held: std::collections::HashSet<(usize, u64)> = Default::default();
+    // (prompt, worker) -> blocks of the prompt the worker holds (only whole prompts without a
+    // capacity, as before), and the workers holding block 0.
+    let mut sys_held: std::collections::HashMap<(usize, u64), usize> = Default::default();
     let mut zero_held: std::collections::HashSet<u64> = Default::default();
+    // With a capacity: each worker's units by recency, and the blocks it holds.
+    let mut lru: Vec<Lru> = (0..workers).map(|_| Lru::default()).collect();
+    let mut used = vec![0usize; workers as usize];
+    let stored_total = if capacity.is_some() { 3 * target_entries } else { target_entries };
     let open = |rng: &mut Rng, sessions: &mut Vec<Session>, state: &mut Vec<Open>| {
         let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         let prompt = cdf.partition_point(|&c| c < u).min(PROMPTS - 1);
@@ -110,7 +169,7 @@ pub fn interleaved_stream(workers: u64, target_entries: usize, seed: u64) -> (Ve
     let mut live: Vec<usize> = (0..128).map(|_| open(&mut rng, &mut sessions, &mut state)).collect();
     let mut stores = Vec::new();
     let mut entries = 0;
-    while entries < target_entries {
+    while entries < stored_total {
         let slot = rng.below(live.len() as u64) as usize;
         let k = live[slot];
         let s = &mut state[k];
@@ -126,19 +185,86 @@ pub fn interleaved_stream(workers: u64, target_entries: usize, seed: u64) -> (Ve
             }
         };
         let mut have = s.depth.get(&w).copied().unwrap_or(0);
-        if have < sys_n {
-            if sys_held.contains(&(s.prompt, w)) {
+        if capacity.is_some() && have <= sys_n {
+            // What the LRU says is held: a session's depth is kept only past its prompt.
+            have = sys_held.get(&(s.prompt, w)).copied().unwrap_or(0).max(zero_held.contains(&w) as usize);
+        } else if have < sys_n {
+            if sys_held.contains_key(&(s.prompt, w)) {
                 have = have.max(sys_n);
             } else if zero_held.contains(&w) {
                 have = have.max(1);
             }
         }
         let j = (have + CHUNK).min(end);
-        stores.push(Store { worker: w, session: k, start: have, end: j });
+        let prompt = s.prompt;
+        let mut evicted = Vec::new();
+        if let Some(cap) = capacity {
+            let wi = w as usize;
+            let mine = [Unit::Session(k), Unit::Prompt(prompt), Unit::Zero];
+            for u in mine {
+                if lru[wi].contains(u) {
+                    lru[wi].touch(u);
+                }
+            }
+            // Evict the least recently used blocks, deepest first, not the storing session's own.
+            let mut need = (used[wi] + (j - have)).saturating_sub(cap);
+            while need > 0 {
+                let Some(u) = lru[wi].oldest() else { break };
+                if mine.contains(&u) {
+                    break;
+                }
+                let (n, left) = match u {
+                    Unit::Session(o) => {
+                        let osn = systems[state[o].prompt].len();
+                        let top = state[o].depth[&w];
+                        let n = need.min(top - osn);
+                        evicted.extend(sessions[o].seq[top - n..top].iter().rev());
+                        if top - n > osn {
+                            state[o].depth.insert(w, top - n);
+                        } else {
+                            state[o].depth.remove(&w);
+                        }
+                        (n, top - n > osn)
+                    }
+                    Unit::Prompt(p) => {
+                        let top = sys_held[&(p, w)];
+                        let n = need.min(top - 1);
+                        let seq = kvroute_core::hash::chain_local_hashes(&systems[p][..top], kvroute_core::DEFAULT_SEED, None);
+                        evicted.extend(seq[top - n..top].iter().rev());
+                        if top - n > 1 {
+                            sys_held.insert((p, w), top - n);
+                        } else {
+                            sys_held.remove(&(p, w));
+                        }
+                        (n, top - n > 1)
+                    }
+                    Unit::Zero => {
+                        evicted.push(kvroute_core::hash::chain_local_hashes(&systems[0][..1], kvroute_core::DEFAULT_SEED, None)[0]);
+                        zero_held.remove(&w);
+                        (1, false)
+                    }
+                };
+                if !left {
+                    lru[wi].remove(u);
+                }
+                need -= n;
+                used[wi] -= n;
+            }
+            used[wi] += j - have;
+            for (u, held) in mine.into_iter().zip([j > sys_n, j.min(sys_n) > 1, true]) {
+                if held {
+                    lru[wi].touch(u);
+                }
+            }
+        }
+        let s = &mut state[k];
+        stores.push(Store { worker: w, session: k, start: have, end: j, evicted });
         entries += j - have;
         s.depth.insert(w, j);
         if j >= sys_n {
-            sys_held.insert((s.prompt, w));
+            sys_held.insert((s.prompt, w), sys_n);
+        } else if capacity.is_some() && j > sys_held.get(&(s.prompt, w)).copied().unwrap_or(0) {
+            sys_held.insert((s.prompt, w), j);
         }
         zero_held.insert(w);
         if j < end {
@@ -162,10 +288,14 @@ pub fn interleaved_stream(workers: u64, target_entries: usize, seed: u64) -> (Ve
     (sessions, stores)
 }
 
-/// Applies a stream's stores in order; returns the blocks stored.
+/// Applies a stream's removals and stores in order; returns the blocks stored plus removed.
 pub fn build_stream(idx: &kvroute_core::KvIndex, sessions: &[Session], stores: &[Store]) -> usize {
     let mut n = 0;
     for st in stores {
+        if !st.evicted.is_empty() {
+            idx.remove(st.worker, &st.evicted, kvroute_core::ANY_TIER);
+            n += st.evicted.len();
+        }
         let seq = &sessions[st.session].seq;
         let parent = (st.start > 0).then(|| seq[st.start - 1]);
         idx.store(st.worker, &seq[st.start..st.end], parent, kvroute_core::Tier::Device).unwrap();
