@@ -194,8 +194,9 @@ fn main() {
     let no_stores = std::env::var_os("KVROUTE_BENCH_WRITER_NO_STORES").is_some();
     let spin = std::env::var_os("KVROUTE_BENCH_WRITER_SPIN").is_some();
     let churn = std::env::var_os("KVROUTE_BENCH_WRITER_CHURN").is_some();
-    // The writer's stored chunks, oldest session first, and how many blocks they hold (churn).
-    let mut held: std::collections::VecDeque<(u64, &[u64])> = Default::default();
+    // The writer's stored chunks as (session, worker, blocks), oldest session first, and how many
+    // blocks they hold (churn).
+    let mut held: std::collections::VecDeque<(usize, u64, &[u64])> = Default::default();
     let mut held_blocks = 0usize;
     println!("index: {} nodes, {} entries", idx.len(), idx.stats().entries);
     // The writer goes on where the previous measurement stopped, so it always stores new blocks.
@@ -235,24 +236,18 @@ fn main() {
                                 break 'outer;
                             }
                             let parent = (c > 0).then(|| sess.seq[c * 64 - 1]);
+                            let w = 1000 + (k as u64 % 8);
                             if !no_stores {
-                                widx.store(1000 + (k as u64 % 8), chunk, parent, Tier::Device).unwrap();
+                                widx.store(w, chunk, parent, Tier::Device).unwrap();
                             }
                             if churn {
-                                held.push_back((1000 + (k as u64 % 8), chunk));
+                                held.push_back((k, w, chunk));
                                 held_blocks += chunk.len();
-                                // The oldest session's deepest chunk goes first: the oldest chunk
-                                // whose successor in `held` is not of the same session.
+                                // The oldest session's deepest chunk goes first (its last in `held`).
                                 while held_blocks > WRITER_CACHE {
-                                    let first = held[0].1.as_ptr();
-                                    let mut last = 0;
-                                    while last + 1 < held.len()
-                                        && held[last + 1].1.as_ptr() == held[last].1.as_ptr().wrapping_add(held[last].1.len())
-                                    {
-                                        last += 1;
-                                    }
-                                    let (w, c) = held.remove(last).unwrap();
-                                    debug_assert!(first <= c.as_ptr());
+                                    let oldest = held[0].0;
+                                    let last = held.iter().take_while(|h| h.0 == oldest).count() - 1;
+                                    let (_, w, c) = held.remove(last).unwrap();
                                     if !no_stores {
                                         widx.remove(w, c, ANY_TIER);
                                     }

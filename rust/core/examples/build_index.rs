@@ -17,7 +17,7 @@ fn main() {
     let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(20);
     let idx = kvroute_core::KvIndex::new(None);
     // The workload is generated first; the time is the build's alone.
-    let (sessions, stores) = match mode.as_str() {
+    let (mut sessions, stores) = match mode.as_str() {
         "in-order" => (common::chat_workload(64, entries, 1), None),
         "interleaved" => {
             let (sessions, stores) = common::interleaved_stream(64, entries, 1);
@@ -38,6 +38,9 @@ fn main() {
         Some(stores) => common::build_stream(&idx, &sessions, stores),
     };
     let dt = t.elapsed().as_secs_f64();
+    if mode == "churn" {
+        sessions.reverse(); // the most recently opened first, for the queries below
+    }
     let st = idx.stats();
     println!(
         "{mode}: {n} blocks in {dt:.3}s ({:.2}M blocks/s); {} nodes, {} entries; {:.1} estimated bytes per entry; {} orphan, {} duplicate stores, {} unknown removals",
@@ -51,9 +54,7 @@ fn main() {
     );
     let (mut sc, mut out) = (MatchScratch::default(), Matches::default());
     for blocks in [128usize, 1024] {
-        let pick: Box<dyn Iterator<Item = &common::Session>> =
-            if mode == "churn" { Box::new(sessions.iter().rev()) } else { Box::new(sessions.iter()) };
-        let qs: Vec<&[u64]> = pick.filter(|s| s.seq.len() >= blocks).take(256).map(|s| &s.seq[..blocks]).collect();
+        let qs: Vec<&[u64]> = sessions.iter().filter(|s| s.seq.len() >= blocks).take(256).map(|s| &s.seq[..blocks]).collect();
         let depth: u64 = qs.iter().map(|q| idx.find_matches(q, ANY_TIER).depths.iter().copied().max().unwrap_or(0) as u64).sum();
         let t = std::time::Instant::now();
         for _ in 0..rounds {

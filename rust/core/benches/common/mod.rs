@@ -147,6 +147,12 @@ fn stream(workers: u64, target_entries: usize, seed: u64, capacity: Option<usize
     }
     let mut sessions: Vec<Session> = Vec::new();
     let mut state: Vec<Open> = Vec::new();
+    // Each system prompt's sequence hashes (block 0 is the same in all), for evicting its blocks.
+    let sys_seq: Vec<Vec<u64>> = if capacity.is_some() {
+        systems.iter().map(|p| kvroute_core::hash::chain_local_hashes(p, kvroute_core::DEFAULT_SEED, None)).collect()
+    } else {
+        Vec::new()
+    };
     // (prompt, worker) -> blocks of the prompt the worker holds (only whole prompts without a
     // capacity, as before), and the workers holding block 0.
     let mut sys_held: std::collections::HashMap<(usize, u64), usize> = Default::default();
@@ -229,8 +235,7 @@ fn stream(workers: u64, target_entries: usize, seed: u64, capacity: Option<usize
                     Unit::Prompt(p) => {
                         let top = sys_held[&(p, w)];
                         let n = need.min(top - 1);
-                        let seq = kvroute_core::hash::chain_local_hashes(&systems[p][..top], kvroute_core::DEFAULT_SEED, None);
-                        evicted.extend(seq[top - n..top].iter().rev());
+                        evicted.extend(sys_seq[p][top - n..top].iter().rev());
                         if top - n > 1 {
                             sys_held.insert((p, w), top - n);
                         } else {
@@ -239,7 +244,7 @@ fn stream(workers: u64, target_entries: usize, seed: u64, capacity: Option<usize
                         (n, top - n > 1)
                     }
                     Unit::Zero => {
-                        evicted.push(kvroute_core::hash::chain_local_hashes(&systems[0][..1], kvroute_core::DEFAULT_SEED, None)[0]);
+                        evicted.push(sys_seq[0][0]);
                         zero_held.remove(&w);
                         (1, false)
                     }
