@@ -78,14 +78,19 @@ def stream_blocks(stream: Stream) -> int:
     return sum(st.end - st.start + len(st.evicted) for st in stream.stores)
 
 
-def build_kvroute(stream: Stream) -> tuple[kvroute.KvIndex, float, int]:
-    idx = kvroute.KvIndex()
-    work = store_args(stream)
-    t = time.perf_counter()
+def apply_kvroute(idx: kvroute.KvIndex, work: list[tuple[int, np.ndarray, int | None, list[int]]]) -> None:
+    """Applies `store_args` to `idx`: each store's evictions (one `remove` call), then the store."""
     for w, hs, p, gone in work:
         if gone:
             idx.remove(w, gone)
         idx.store(w, hs, parent=p)
+
+
+def build_kvroute(stream: Stream) -> tuple[kvroute.KvIndex, float, int]:
+    idx = kvroute.KvIndex()
+    work = store_args(stream)
+    t = time.perf_counter()
+    apply_kvroute(idx, work)
     dt = time.perf_counter() - t
     return idx, dt, stream_blocks(stream)
 
@@ -266,10 +271,7 @@ def memory_child(which: str, workload: str, workers: int, entries: int) -> None:
     gc.collect()
     before = rss_bytes()
     idx = kvroute.KvIndex()
-    for w, hs, p, gone in work:
-        if gone:
-            idx.remove(w, gone)
-        idx.store(w, hs, parent=p)
+    apply_kvroute(idx, work)
     used = rss_bytes() - before
     st = idx.stats()
     print(json.dumps({"used": used, "entries": st["entries"], "estimated": st["estimated_bytes"]}))

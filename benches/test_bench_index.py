@@ -69,6 +69,12 @@ def churn_tree(churn):
 TOKENS = np.random.default_rng(1).integers(0, 2**17, size=8192, dtype=np.uint32)
 
 
+def bench_queries(benchmark, fn, qs: list):
+    """Benchmarks `fn` on the queries in turn (one query per call); returns the last answer."""
+    it = iter(range(10**9))
+    return benchmark(lambda: fn(qs[next(it) % len(qs)]))
+
+
 @pytest.mark.benchmark(group="hash-8192")
 def test_kvroute_block_hashes(benchmark) -> None:
     out = benchmark(kvroute.block_hashes, TOKENS, 64)
@@ -87,8 +93,7 @@ def test_dynamo_block_hashes(benchmark) -> None:
 def test_kvroute_match(benchmark, index, sessions, blocks: int) -> None:
     benchmark.group = f"match-{blocks}"
     qs = [s.seq[:blocks] for s in long_sessions(sessions, blocks)[:64]]
-    it = iter(range(10**9))
-    m = benchmark(lambda: index.match(qs[next(it) % len(qs)]))
+    m = bench_queries(benchmark, index.match, qs)
     assert len(m) >= 1
 
 
@@ -97,8 +102,7 @@ def test_kvroute_match(benchmark, index, sessions, blocks: int) -> None:
 def test_dynamo_match(benchmark, tree, sessions, blocks: int) -> None:
     benchmark.group = f"match-{blocks}"
     qs = [s.local[:blocks].tolist() for s in long_sessions(sessions, blocks)[:64]]
-    it = iter(range(10**9))
-    m = benchmark(lambda: tree.find_matches(qs[next(it) % len(qs)]))
+    m = bench_queries(benchmark, tree.find_matches, qs)
     assert len(m.scores) >= 1
 
 
@@ -138,8 +142,7 @@ def test_dynamo_store_64(benchmark, sessions) -> None:
 def test_kvroute_match_churn(benchmark, churn_index, churn, blocks: int) -> None:
     benchmark.group = f"match-{blocks}-churn"
     qs = [s.seq[:blocks] for s in match_sessions("churn", churn.sessions, blocks)[:64]]
-    it = iter(range(10**9))
-    m = benchmark(lambda: churn_index.match(qs[next(it) % len(qs)]))
+    m = bench_queries(benchmark, churn_index.match, qs)
     assert len(m) >= 1
 
 
@@ -148,8 +151,7 @@ def test_kvroute_match_churn(benchmark, churn_index, churn, blocks: int) -> None
 def test_dynamo_match_churn(benchmark, churn_tree, churn, blocks: int) -> None:
     benchmark.group = f"match-{blocks}-churn"
     qs = [s.local[:blocks].tolist() for s in match_sessions("churn", churn.sessions, blocks)[:64]]
-    it = iter(range(10**9))
-    m = benchmark(lambda: churn_tree.find_matches(qs[next(it) % len(qs)]))
+    m = bench_queries(benchmark, churn_tree.find_matches, qs)
     assert len(m.scores) >= 1
 
 
