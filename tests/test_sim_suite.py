@@ -91,6 +91,10 @@ def test_suite_command_errors():
         main(["simulate", "--quick"])
     with pytest.raises(SystemExit, match="unknown policy"):
         main(["simulate", "--suite", "--quick", "--policy", "nope"])
+    with pytest.raises(SystemExit, match="go with --suite"):
+        main(["simulate", "--seeds", "5"])
+    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
+        main(["simulate", "--suite", "--quick", "--seeds", "0"])
 
 
 def test_suite_with_the_default_alone_reports_no_verdict(capsys):
@@ -102,3 +106,60 @@ def test_suite_with_the_default_alone_reports_no_verdict(capsys):
     assert main(["simulate", "--suite", "--quick", "--case", "docs", "--policy", "slack", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines and all(x["default_is_best"] is None for x in lines)
+
+
+def test_more_seeds_extend_each_half_and_keep_the_halves_apart():
+    from kvroute.sim.suite import half_seeds
+
+    # The default suite's seeds are the first three of each half.
+    assert half_seeds("tuning", 3) == (0, 1, 2)
+    assert half_seeds("held-out", 3) == (3, 4, 5)
+    assert half_seeds("tuning", 7) == (0, 1, 2, 6, 7, 8, 12)
+    assert not set(half_seeds("tuning", 30)) & set(half_seeds("held-out", 30))
+    for c in CASES:
+        more = c.with_seeds(6)
+        if c.kind == "mooncake":
+            assert more.seeds == c.seeds  # one fixed trace: nothing to vary
+        else:
+            assert more.seeds[:3] == c.seeds and len(more.seeds) == 6
+    with pytest.raises(ValueError, match="seeds must be >= 1"):
+        half_seeds("tuning", 0)
+    with pytest.raises(ValueError, match="split"):
+        half_seeds("both", 3)
+
+
+def test_gap_is_paired_over_seeds_and_flags_only_losses_beyond_the_noise():
+    from kvroute.sim.suite import CaseResult
+
+    case = CASES[0]
+
+    def result(default: list[float], other: list[float]) -> CaseResult:
+        by_seed = {"cache_only": other, "slack": default}
+        att = {p: sum(v) / len(v) for p, v in by_seed.items()}
+        return CaseResult(case, 0.0, att, {p: 0.0 for p in att}, {}, "slack", by_seed=by_seed)
+
+    # Behind by 0.2 points on every seed: no noise, a real loss.
+    r = result([0.90, 0.80, 0.70], [0.902, 0.802, 0.702])
+    g, se = r.gap
+    assert g == pytest.approx(-0.2) and se == pytest.approx(0.0, abs=1e-9)
+    assert r.default_is_best is False and r.significantly_behind
+    # Behind by 0.2 on the mean, but the seeds disagree (+0.4, -0.4, -0.6): not beyond two SE.
+    r = result([0.904, 0.796, 0.694], [0.900, 0.800, 0.700])
+    g, se = r.gap
+    assert g == pytest.approx(-0.2) and se == pytest.approx(0.3055, abs=1e-3)
+    assert r.default_is_best is False and not r.significantly_behind
+    assert "no (-0.20 ± 0.31)" in format_suite([r])
+    assert "behind by more than two standard errors (paired over seeds) in 0" in format_suite([r])
+    # One seed: no error, so nothing counts as significant.
+    r = result([0.90], [0.91])
+    assert r.gap[1] != r.gap[1] and not r.significantly_behind
+    assert json.loads(json.dumps(r.to_json()))["gap_se_points"] is None
+
+
+def test_suite_runs_more_seeds_per_case():
+    res = run_suite(QUICK_CASES[2:3], policies=["cache_only", "slack"], event_lags=(0.0,), bounds=False, seeds=2)
+    (r,) = res
+    assert r.case.seeds == (3, 4)
+    assert [len(v) for v in r.by_seed.values()] == [2, 2]
+    assert r.attainment["slack"] == pytest.approx(sum(r.by_seed["slack"]) / 2)
+    assert r.gap[1] == r.gap[1]  # two seeds: a standard error

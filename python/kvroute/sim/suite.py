@@ -23,10 +23,25 @@ from kvroute.sim.metrics import RunResult
 from kvroute.sim.trace import MOONCAKE_TRACE, find_shared_dir, load_trace, records_to_workload, synthetic_trace
 from kvroute.sim.workload import Workload, seed_chat
 
-__all__ = ["CASES", "QUICK_CASES", "Case", "CaseResult", "default_policy", "format_case", "format_suite", "run_suite", "suite_policies"]
+__all__ = [
+    "CASES",
+    "QUICK_CASES",
+    "SUITE_SEEDS",
+    "Case",
+    "CaseResult",
+    "default_policy",
+    "format_case",
+    "format_suite",
+    "half_seeds",
+    "run_suite",
+    "suite_policies",
+]
 
 #: "The default is best" allows this many attainment points below the best other policy.
 TOLERANCE_POINTS = 0.05
+#: Workload seeds per case in the suite command (`kvroute simulate --suite`): with 3, a 0.05-point
+#: verdict sat inside the seeds' noise (standard errors of 0.05-0.25 points on the paired gap).
+SUITE_SEEDS = 10
 #: Event lags every case runs at (seconds).
 EVENT_LAGS = (0.0, 0.05)
 
@@ -58,6 +73,25 @@ class Case:
             return load_trace(path, speedup=self.load)
         recs = synthetic_trace(self.kind, requests=self.requests, rate=self.load, seed=seed)
         return records_to_workload(recs, name=f"synthetic-{self.kind}")
+
+    def with_seeds(self, n: int) -> Case:
+        """This case over ``n`` workload seeds of its half (`half_seeds`); a case replaying the
+        fixed Mooncake trace (whose seed changes nothing) is returned unchanged."""
+        if self.kind == "mooncake":
+            return self
+        return replace(self, seeds=half_seeds(self.split, n))
+
+
+def half_seeds(split: str, n: int) -> tuple[int, ...]:
+    """The first ``n`` workload seeds of a half: blocks of three, tuning 0-2, 6-8, 12-14, ...,
+    held-out 3-5, 9-11, ...; so the default suite's seeds are the first three of each, and the
+    halves never share a seed however many are run."""
+    if n < 1:
+        raise ValueError(f"seeds must be >= 1, got {n}")
+    if split not in ("tuning", "held-out"):
+        raise ValueError(f"split must be 'tuning' or 'held-out', got {split!r}")
+    first = 0 if split == "tuning" else 3
+    return tuple(first + 6 * (i // 3) + i % 3 for i in range(n))
 
 
 def mooncake_path(shared_dir: str | None = None) -> str | None:
@@ -143,6 +177,8 @@ class CaseResult:
     bounds: dict[str, float]
     default: str
     runs: list[RunResult] = field(default_factory=list)
+    #: Attainment per workload seed (in ``case.seeds`` order), per policy.
+    by_seed: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def best_other(self) -> tuple[str | None, float]:
@@ -153,6 +189,28 @@ class CaseResult:
             return None, float("nan")
         p = max(others, key=lambda k: others[k])
         return p, others[p]
+
+    @property
+    def gap(self) -> tuple[float, float]:
+        """The default's attainment minus the best other policy's, in points, and the standard
+        error of that mean difference over the case's seeds (paired: the same workloads); the
+        error is nan with one seed or without per-seed figures, the gap nan without another policy."""
+        bp, ba = self.best_other
+        if bp is None:
+            return float("nan"), float("nan")
+        g = 100 * (self.attainment[self.default] - ba)
+        d, o = self.by_seed.get(self.default, []), self.by_seed.get(bp, [])
+        if len(d) < 2 or len(d) != len(o):
+            return g, float("nan")
+        diff = 100 * (np.asarray(d) - np.asarray(o))
+        return g, float(np.std(diff, ddof=1) / np.sqrt(len(diff)))
+
+    @property
+    def significantly_behind(self) -> bool:
+        """The default trails the best other policy by more than the tolerance and by more than
+        two standard errors of the paired difference (a loss the seeds do not explain away)."""
+        g, se = self.gap
+        return bool(g < -TOLERANCE_POINTS and se == se and g < -2 * se)
 
     @property
     def default_is_best(self) -> bool | None:
@@ -173,7 +231,14 @@ class CaseResult:
             "bounds": self.bounds,
             "default": self.default,
             "default_is_best": self.default_is_best,
+            "gap_points": _round(self.gap[0]),
+            "gap_se_points": _round(self.gap[1]),
+            "by_seed": self.by_seed,
         }
+
+
+def _round(x: float) -> float | None:
+    return None if x != x else round(x, 4)
 
 
 def _bound_clusters(cluster: ClusterConfig, w: Workload) -> dict[str, ClusterConfig]:
@@ -191,19 +256,21 @@ def run_suite(
     *,
     policies: Sequence[str] | None = None,
     event_lags: Sequence[float] = EVENT_LAGS,
-    bound_policies: Sequence[str] = ("slack", "ttft"),
+    bound_policies: Sequence[str] = ("capacity", "slack", "ttft"),
     bounds: bool = True,
     default: str | None = None,
     router_options: dict[str, Any] | None = None,
     shared_dir: str | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
+    seeds: int | None = None,
 ) -> list[CaseResult]:
     """Runs every case at every event lag over its seeds; cases needing the Mooncake trace are
     skipped where it is absent. Each bound is the best of ``bound_policies`` on that cache
     (the same Router and rejection, only the cache changed; ``bounds=False`` skips them).
     ``default`` names the policy judged against the others (the Router's default when None).
     ``router_options`` go to every
-    Router (e.g. to try a setting on the whole suite)."""
+    Router (e.g. to try a setting on the whole suite). ``seeds`` runs every case over that many
+    workload seeds of its half (`half_seeds`) instead of its own three."""
     names = list(policies) if policies is not None else suite_policies()
     if default is None:
         default = default_policy() if default_policy() in names else names[-1]
@@ -211,6 +278,8 @@ def run_suite(
         raise ValueError(f"default {default!r} is not among the policies {names}")
     out = []
     for case in cases:
+        if seeds is not None:
+            case = case.with_seeds(seeds)
         if case.kind == "mooncake" and mooncake_path(shared_dir) is None:
             continue
         workloads = [case.workload(s, shared_dir) for s in case.seeds]
@@ -237,6 +306,7 @@ def run_suite(
                 bounds={k: float(np.mean(v)) for k, v in bnd.items()},
                 default=default,
                 runs=runs,
+                by_seed={p: [float(x) for x in v] for p, v in att.items()},
             )
             if on_result is not None:
                 on_result(res)
@@ -253,19 +323,23 @@ def format_case(r: CaseResult) -> str:
     head = f"== {r.case.name} [{r.case.split}], event lag {r.event_lag * 1000:g} ms, seeds {','.join(map(str, r.case.seeds))}"
     cells = "  ".join(f"{p} {_pct(a)} ({_pct(r.rejected[p])} rej)" for p, a in r.attainment.items())
     bounds = "  ".join(f"{k} {_pct(v)}" for k, v in r.bounds.items())
-    bp, ba = r.best_other
+    bp, _ = r.best_other
     if bp is None:
         verdict = f"default {r.default}: no other policy ran to compare it with"
     else:
-        gap = 100 * (r.attainment[r.default] - ba)
-        verdict = f"default {r.default} {'BEST' if r.default_is_best else 'NOT best'} ({gap:+.2f} pts vs {bp})"
+        verdict = f"default {r.default} {'BEST' if r.default_is_best else 'NOT best'} ({_gap(r)} pts vs {bp})"
     return f"{head}\n  {cells}\n  bounds: {bounds}\n  {verdict}"
+
+
+def _gap(r: CaseResult) -> str:
+    g, se = r.gap
+    return f"{g:+.2f}" if se != se else f"{g:+.2f} ± {se:.2f}"
 
 
 def _verdict(r: CaseResult) -> str:
     if r.default_is_best is None:
         return "-"
-    return "yes" if r.default_is_best else f"no ({100 * (r.attainment[r.default] - r.best_other[1]):+.2f})"
+    return "yes" if r.default_is_best else f"no ({_gap(r)}{', significant' if r.significantly_behind else ''})"
 
 
 def format_suite(results: Sequence[CaseResult]) -> str:
@@ -293,5 +367,9 @@ def format_suite(results: Sequence[CaseResult]) -> str:
             if part[0].default_is_best is None:
                 continue
             won = sum(bool(r.default_is_best) for r in part)
-            lines.append(f"{split}: default best (within {TOLERANCE_POINTS} points) in {won} of {len(part)} cases")
+            behind = sum(r.significantly_behind for r in part)
+            lines.append(
+                f"{split}: default best (within {TOLERANCE_POINTS} points) in {won} of {len(part)} cases; "
+                f"behind by more than two standard errors (paired over seeds) in {behind}"
+            )
     return "\n".join(lines)
