@@ -79,7 +79,8 @@ def test_simulator_engines_teach_the_router_their_speed() -> None:
     for wk in range(cl.instances):
         assert routers[-1].load(wk)["learned_prefill_tokens_per_s"] == pytest.approx(5000, rel=1e-9)
         assert routers[-1].load(wk)["learned_overhead_s"] == pytest.approx(0, abs=1e-9)
-    assert wrong.attainment < truth.attainment - 0.1, (wrong.attainment, truth.attainment)
+    # (0.87 vs 0.95 since slack's ties go to the worker idle longest; 0.82 vs 0.95 before, when they rotated.)
+    assert wrong.attainment < truth.attainment - 0.05, (wrong.attainment, truth.attainment)
     assert learned.attainment > wrong.attainment + 0.05, (learned.attainment, wrong.attainment)
     told_truth = simulate(w, "slack", reject=True, cluster=cl, progress=False, router_factory=told(5000.0), router_options=learned_opt)
     assert (told_truth.attainment, told_truth.ttft_p50) == (truth.attainment, truth.ttft_p50)

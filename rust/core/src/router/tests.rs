@@ -489,7 +489,13 @@ fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
     // worker 1's holds 2. A 4-block uncached prompt costs the same prefill on either, but on
     // worker 0 storing it evicts 4 cached blocks (4 * 64 / 20000 s of recompute).
     let make = |eviction_weight: f64| {
-        let cfg = RouterConfig { eviction_weight, tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), ..Default::default() };
+        let cfg = RouterConfig {
+            policy: "slack".into(),
+            eviction_weight,
+            tie_break: TieBreak::Lowest,
+            ttft_slo: Some(2.0),
+            ..Default::default()
+        };
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(10), ..Default::default() }).unwrap();
@@ -508,7 +514,8 @@ fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
     assert_eq!(RouterConfig::default().eviction_weight, 0.0);
     assert_eq!(route(&make(0.0), &p, 0.0).worker, 0);
     // Unknown capacity: nothing to charge.
-    let r = Router::new(RouterConfig { eviction_weight: 1.0, tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    let cfg = RouterConfig { policy: "slack".into(), eviction_weight: 1.0, tie_break: TieBreak::Lowest, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
     for w in 0..2 {
         r.add_worker(w, WorkerSpec::default()).unwrap();
     }
@@ -955,4 +962,54 @@ fn unified_step_time_charges_the_decodes_a_prefill_runs_beside() {
     let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), explain: true, ..Default::default() }).unwrap();
     assert_eq!(d.worker, 0);
     assert!(d.explain.unwrap().iter().all(|c| c.step_time == 0.0));
+}
+
+#[test]
+fn slack_and_capacity_break_ties_toward_the_worker_idle_longest() {
+    // Three idle workers, none holding the prompt: every cost is equal. After work on 2, 1, 0 at
+    // t = 0, 1, 2 (each finished), a new prompt at t = 10 goes to worker 2, idle the longest (its
+    // cache the coldest), then 1, then 0; rotation would have taken 0, 1, 2.
+    for policy in ["slack", "capacity"] {
+        let r = router(policy, TieBreak::Rotate, 3);
+        for (w, t) in [(2u64, 0.0), (1, 1.0), (0, 2.0)] {
+            let id = w + 100;
+            r.route(&RouteRequest {
+                tokens: Some(&prompt(90 + w as u32, 640)),
+                now: Some(t),
+                request_id: Some(id),
+                pin: Some(w),
+                ..Default::default()
+            })
+            .unwrap();
+            r.finished(id, Some(t + 0.5)).unwrap();
+        }
+        let mut got = vec![];
+        for k in 0..3u64 {
+            let id = k + 200;
+            let d = r
+                .route(&RouteRequest {
+                    tokens: Some(&prompt(300 + k as u32, 640)),
+                    now: Some(10.0 + k as f64),
+                    request_id: Some(id),
+                    ..Default::default()
+                })
+                .unwrap();
+            r.finished(id, Some(10.5 + k as f64)).unwrap();
+            got.push(d.worker);
+        }
+        assert_eq!(got, vec![2, 1, 0], "{policy}");
+        // A queue still comes first: worker 2 busy (not finished) loses the tie to idle 1 and 0.
+        let d = r
+            .route(&RouteRequest {
+                tokens: Some(&prompt(400, 6400)),
+                now: Some(20.0),
+                request_id: Some(1),
+                pin: Some(2),
+                ..Default::default()
+            })
+            .unwrap();
+        assert!(d.busy_until > 20.1);
+        let d = route(&r, &prompt(401, 640), 20.0);
+        assert_eq!(d.worker, 1, "{policy}");
+    }
 }

@@ -103,13 +103,13 @@ pub fn pick_min(
 /// `pick_min` over any items: the first minimum in slice order for `TieBreak::Lowest` (the seed's
 /// `min(range(N), key=...)`); for `Rotate`, among exact ties the least `load`, then the
 /// `rotation`-th of those (advancing `rotation`), so ties never collapse onto one worker.
-pub fn pick_min_by<T>(
+pub fn pick_min_by<T, L: PartialOrd + Copy>(
     tie_break: TieBreak,
     rotation: &mut u64,
     items: &[T],
     allowed: impl Fn(&T) -> bool,
     key: impl Fn(&T) -> (f64, f64),
-    load: impl Fn(&T) -> (f64, f64),
+    load: impl Fn(&T) -> L,
 ) -> Option<usize> {
     let lt = |a: (f64, f64), b: (f64, f64)| a.0 < b.0 || (a.0 == b.0 && a.1 < b.1);
     let mut best: Option<(usize, (f64, f64))> = None;
@@ -131,7 +131,7 @@ pub fn pick_min_by<T>(
     let mut count = 0u64;
     for c in items.iter().filter(|c| tied(c)) {
         let l = load(c);
-        if lt(l, min_load) {
+        if l < min_load {
             min_load = l;
             count = 1;
         } else if l == min_load {
