@@ -172,7 +172,7 @@ class KvrouteSettings:
         """What a kvroute run's JSON line reports of them."""
         return {
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
-            "kvroute_policy": self.policy or "slack",
+            "kvroute_policy": self.policy or default_policy(),
             "prefix_cache_blocks": self.prefix_cache_blocks,
             "decode_model": self.decode or None,
         }
@@ -263,6 +263,13 @@ LITELLM_STRATEGIES = (
     "latency-based-routing",
     "cost-based-routing",
 )
+
+
+def default_policy() -> str:
+    """The policy a `kvroute.Router()` uses when none is named (what a bare "kvroute" entry runs)."""
+    import kvroute
+
+    return str(kvroute.Router().policy)
 
 
 def kvroute_policy(entry: str) -> str | None:
@@ -426,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--systems", type=int, default=6)
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--kvroute-policy", default=None, help="kvroute's Router policy (default: the Router's default, slack)")
+    ap.add_argument("--kvroute-policy", default=None, help="kvroute's Router policy (default: the Router's default, capacity)")
     ap.add_argument(
         "--prefill-tokens-per-s",
         type=float,

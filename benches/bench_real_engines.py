@@ -431,7 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = [int(x) for x in a.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds: expected comma-separated integers, got {a.seeds!r}")
-    exact = ["--tokenizer", str(bed.model), "--log-level", "warning", *shlex.split(a.kvroute_args)]
+    # Every kvroute gateway is told the engines' prefix-cache size (vLLM keeps one null block), which
+    # the default policy ("capacity") charges evictions against.
+    exact = ["--tokenizer", str(bed.model), "--log-level", "warning", "--prefix-cache-blocks", str(a.num_blocks - 1)]
+    exact += shlex.split(a.kvroute_args)
     wanted = a.routers.split(",")
     known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
     bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]

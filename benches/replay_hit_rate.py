@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--kvroute-policies", default="slack,cache_aware,cache_only")
+    ap.add_argument("--kvroute-policies", default="capacity,slack,cache_aware,cache_only")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from kvroute.prompt import ExactPrompter

@@ -43,7 +43,7 @@ def test_simulate_table_default_rows(capsys: pytest.CaptureFixture[str]) -> None
         ("cache_only", "no", "lowest"),
         ("ttft", "no", "lowest"),
         ("ttft", "yes", "lowest"),
-        ("slack", "yes", "rotate"),
+        ("capacity", "yes", "rotate"),
     ]
 
 

@@ -348,11 +348,15 @@ def test_admin_api_requires_bearer_token() -> None:
                             assert r.headers["WWW-Authenticate"].startswith("Bearer")
                 assert len(c.gw.workers) == 1
                 auth = {"Authorization": f"Bearer {token}"}
-                async with c.client.post(
-                    c.url + "/admin/workers", headers=auth, json={"url": extra.url, "prefill_tokens_per_s": 40000.0}
-                ) as r:
+                bad = {"url": extra.url, "prefix_cache_blocks": -1}
+                async with c.client.post(c.url + "/admin/workers", headers=auth, json=bad) as r:
+                    assert r.status == 400 and "prefix_cache_blocks" in (await r.json())["error"]["message"]
+                spec = {"url": extra.url, "prefill_tokens_per_s": 40000.0, "prefix_cache_blocks": 4096}
+                async with c.client.post(c.url + "/admin/workers", headers=auth, json=spec) as r:
                     assert r.status == 201
                     new_id = (await r.json())["id"]
+                # The cache size reaches the Router, which the default policy ("capacity") charges against.
+                assert c.router.load(new_id)["prefix_cache_blocks"] == 4096
                 async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": extra.url}) as r:
                     assert r.status == 400 and "already" in (await r.json())["error"]["message"]
                 async with c.client.post(c.url + "/admin/workers", headers=auth, json={"url": "ftp://x", "role": "both"}) as r:

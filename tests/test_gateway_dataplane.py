@@ -265,3 +265,25 @@ def test_kvroute_serve_no_pending_prefixes() -> None:
     assert router_config(*events)["pending_prefixes"] is True
     assert router_config(*events, "--no-pending-prefixes")["pending_prefixes"] is False
     assert router_config()["pending_prefixes"] is False
+
+
+def test_kvroute_serve_registers_the_engines_prefix_cache_size() -> None:
+    """--prefix-cache-blocks reaches every unified worker's registration (what the default policy,
+    "capacity", charges evictions against); without it the size is unknown; negative is refused."""
+    import argparse
+
+    import pytest
+    from kvroute.gateway.cli import add_serve_parser, build_gateway
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+
+    def sizes(*argv: str) -> list[object]:
+        gw = build_gateway(parser.parse_args(["serve", "--worker", "http://w:1", "--worker", "http://w:2", *argv]))
+        assert gw.router.policy == "capacity"
+        return [gw.router.load(w)["prefix_cache_blocks"] for w in gw.router.workers()]
+
+    assert sizes("--prefix-cache-blocks", "8191") == [8191, 8191]
+    assert sizes() == [None, None]
+    with pytest.raises(argparse.ArgumentTypeError, match="prefix-cache-blocks"):
+        sizes("--prefix-cache-blocks", "-5")

@@ -186,7 +186,7 @@ class Router:
     def __init__(
         self,
         *,
-        policy: str = "slack",
+        policy: str = "capacity",
         block_size: int = 64,
         tie_break: Literal["rotate", "lowest"] = "rotate",
         seed: int = 0,

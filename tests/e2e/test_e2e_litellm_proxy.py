@@ -66,7 +66,7 @@ def proxy(engines: list[vllm_bed.Engine], tmp_path_factory: pytest.TempPathFacto
         "KVROUTE_METRICS_INTERVAL": "0.5",
         # SGLang's cache_aware rule (the best overlap unless loads differ by > 64 requests), as in
         # test_e2e_ray.py: LiteLLM reports a request's success after the client has its answer, so
-        # the default (slack) may see the previous turn still in flight and, on this bed's tiny model
+        # the default (capacity, on slack's cost) may see the previous turn still in flight and, on this bed's tiny model
         # where a miss is cheap, move a conversation; this module checks the proxy wiring, not the policy.
         "KVROUTE_POLICY": "cache_aware",
     }

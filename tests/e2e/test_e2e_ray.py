@@ -30,7 +30,7 @@ class App(ServeApp):
         self.engines = engines
         specs = [{"engine_url": e.url, "kv_events": e.events, "kv_events_replay": e.replay} for e in engines]
         # SGLang's cache_aware rule: the best overlap unless loads differ by > 64 requests. The default
-        # (slack) may move a conversation whose few cached blocks are cheap to recompute on this bed's
+        # (capacity, on slack's cost) may move a conversation whose few cached blocks are cheap to recompute on this bed's
         # tiny model when an engine looks busier (a lease not yet released, a metrics poll from the
         # previous request), which depends on timing; this module checks the routers' shared view of
         # the KV events, so it routes on the cache alone.

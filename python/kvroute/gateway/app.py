@@ -41,6 +41,9 @@ class WorkerConfig:
     prefill_tokens_per_s: float = 20000.0
     decode_tokens_per_s: float | None = None
     kv_capacity_blocks: int | None = None
+    #: The engine's prefix-cache size in KV blocks (vLLM: ``num_gpu_blocks`` minus its null block),
+    #: what the default policy ("capacity") charges evictions against; None: unknown, not charged.
+    prefix_cache_blocks: int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -50,6 +53,9 @@ class WorkerConfig:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
         if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be a TCP port (1..65535), got {self.bootstrap_port}")
+        pcb = self.prefix_cache_blocks
+        if pcb is not None and (isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0):
+            raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {pcb!r}")
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
@@ -200,6 +206,7 @@ class Gateway:
             prefill_tokens_per_s=c.prefill_tokens_per_s,
             kv_capacity_blocks=c.kv_capacity_blocks,
             decode_tokens_per_s=c.decode_tokens_per_s,
+            prefix_cache_blocks=c.prefix_cache_blocks,
         )
 
     def remove_worker(self, wid: int) -> dict[str, Any]:
@@ -325,7 +332,15 @@ class Gateway:
             spec = await request.json()
             if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
                 raise ValueError("body must be a JSON object with a string 'url'")
-            allowed = {"url", "role", "bootstrap_port", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_capacity_blocks"}
+            allowed = {
+                "url",
+                "role",
+                "bootstrap_port",
+                "prefill_tokens_per_s",
+                "decode_tokens_per_s",
+                "kv_capacity_blocks",
+                "prefix_cache_blocks",
+            }
             extra = set(spec) - allowed
             if extra:
                 raise ValueError(f"unknown fields {sorted(extra)}; expected some of {sorted(allowed)}")

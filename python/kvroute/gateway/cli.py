@@ -50,6 +50,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     g.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="engines' prefill speed the router assumes (default 20000)")
     g.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        metavar="N",
+        help="each unified/prefill engine's prefix-cache size in KV blocks (vLLM: num_gpu_blocks - 1), which the "
+        "default policy charges evictions against (default: unknown, not charged)",
+    )
+    g.add_argument(
         "--local-prefill-max-tokens",
         type=int,
         default=0,
@@ -141,12 +148,15 @@ def build_gateway(a: argparse.Namespace) -> Any:
     router_kw["local_prefill_max_tokens"] = a.local_prefill_max_tokens
     router = Router(**router_kw)
     tps = a.prefill_tokens_per_s
+    pcb = a.prefix_cache_blocks
+    if pcb is not None and pcb < 0:
+        raise argparse.ArgumentTypeError(f"--prefix-cache-blocks must be >= 0, got {pcb}")
     prefill = []
     for spec in a.prefill:
         if len(spec) > 2:
             raise argparse.ArgumentTypeError(f"--prefill takes URL [BOOTSTRAP_PORT], got {spec}")
         port = int(spec[1]) if len(spec) == 2 else None
-        prefill.append(WorkerConfig(spec[0], role="prefill", bootstrap_port=port, prefill_tokens_per_s=tps))
+        prefill.append(WorkerConfig(spec[0], role="prefill", bootstrap_port=port, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb))
     if bool(prefill) != bool(a.decode):
         raise argparse.ArgumentTypeError("PD mode needs both --prefill and --decode workers")
     if not (a.worker or prefill):
@@ -174,7 +184,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
     )
     return make_gateway(
         router,
-        [WorkerConfig(u, prefill_tokens_per_s=tps) for u in a.worker],
+        [WorkerConfig(u, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb) for u in a.worker],
         prefill=prefill,
         decode=[WorkerConfig(u, role="decode", prefill_tokens_per_s=tps) for u in a.decode],
         config=cfg,

@@ -90,7 +90,7 @@ pub struct PyRouter {
 impl PyRouter {
     #[new]
     #[pyo3(signature = (
-        *, policy = "slack", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
+        *, policy = "capacity", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
         shed_load_threshold = 1.0, shed_load_ramp = 1.0, shed_load_sigmas = 2.0, load_window_s = None,
         cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,

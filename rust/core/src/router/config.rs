@@ -136,7 +136,7 @@ pub struct RouterConfig {
     /// this * min(its prefill work, the queueing delay) keeps the TTFT SLO, so that under overload
     /// the expensive requests are turned away first and the queue keeps room for the many cheap
     /// (cached) ones; an idle worker still takes any prompt. 0: predicted TTFT <= SLO (the seed's rule).
-    /// None: the policy's default (2 for "slack", 0 for the others).
+    /// None: the policy's default (2 for "slack" and "capacity", 0 for the others).
     pub admission_work_factor: Option<f64>,
     /// Size-aware admission is for overload only: the factor applies in full while the offered
     /// prefill load (uncached tokens per second of the arriving requests, at their cheapest
@@ -168,7 +168,7 @@ pub struct RouterConfig {
     pub prefill_load_scale: f64,
     /// "cost": softmax temperature over normalised costs; 0 takes the minimum.
     pub temperature: f64,
-    /// "slack" (the default policy): weight of the queueing delay a worker would impose.
+    /// "slack" and "capacity" (the default policy): weight of the queueing delay a worker would impose.
     pub queue_weight: f64,
     /// "slack": weight of the uncached prefill time (the compute the choice spends, which every
     /// later request on that worker waits for).
@@ -225,7 +225,7 @@ impl Default for RouterConfig {
         RouterConfig {
             block_size: 64,
             hash_seed: crate::hash::DEFAULT_SEED,
-            policy: "slack".to_string(),
+            policy: "capacity".to_string(),
             tie_break: TieBreak::Rotate,
             seed: 0,
             ttft_slo: None,

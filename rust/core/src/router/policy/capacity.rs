@@ -1,6 +1,6 @@
-//! "capacity": capacity-aware placement. slack's cost (queueing delay, the prefill compute the
-//! choice spends, the queueing it imposes on later requests) plus, on the same time scale, the
-//! recompute the placement is expected to cause later through the prefix cache it fills:
+//! "capacity" (the default): capacity-aware placement. slack's cost (queueing delay, the prefill
+//! compute the choice spends, the queueing it imposes on later requests) plus, on the same time
+//! scale, the recompute the placement is expected to cause later through the prefix cache it fills:
 //!
 //!   capacity cost = prefill_weight * reuse * t_block * (evicted + fill * duplicated_into_free)
 //!
