@@ -44,6 +44,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_real_engines import MAX_TOKENS, Conversation, Result, counters, drive, reset, vocabulary, workload
+from kvroute.sim.suite import default_policy
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
 
 
@@ -263,13 +264,6 @@ LITELLM_STRATEGIES = (
     "latency-based-routing",
     "cost-based-routing",
 )
-
-
-def default_policy() -> str:
-    """The policy a `kvroute.Router()` uses when none is named (what a bare "kvroute" entry runs)."""
-    import kvroute
-
-    return str(kvroute.Router().policy)
 
 
 def kvroute_policy(entry: str) -> str | None:

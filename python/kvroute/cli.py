@@ -50,13 +50,6 @@ def _policies() -> list[str]:
     return list(POLICIES)
 
 
-def _default_policy() -> str:
-    """The policy a `kvroute.Router()` uses when none is named."""
-    from kvroute import Router
-
-    return str(Router().policy)
-
-
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "simulate",
@@ -201,6 +194,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         raise SystemExit("kvroute simulate: --quick, --split, --case and --seeds go with --suite")
     from kvroute.sim import load_trace, records_to_workload, seed_chat, simulate, synthetic_trace
     from kvroute.sim.report import format_table, max_sustained_rate, plot_runs
+    from kvroute.sim.suite import default_policy
 
     scenario = a.scenario or ("trace" if a.trace else "seed-chat")
     if scenario == "trace" and not a.trace:
@@ -226,7 +220,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             raise SystemExit(f"kvroute simulate: unknown policy {bad[0]!r}; expected one of {', '.join(known)} or all")
         rows = [(x, a.reject) for x in names]
     elif scenario == "seed-chat" and not a.reject:
-        rows = [*SEED_ROWS, (_default_policy(), True)]
+        rows = [*SEED_ROWS, (default_policy(), True)]
     else:
         rows = [(x, a.reject) for x in known]
     try:
