@@ -111,14 +111,14 @@ pub fn pick_min_by<T, L: PartialOrd + Copy>(
     key: impl Fn(&T) -> (f64, f64),
     load: impl Fn(&T) -> L,
 ) -> Option<usize> {
-    let lt = |a: (f64, f64), b: (f64, f64)| a.0 < b.0 || (a.0 == b.0 && a.1 < b.1);
+    // Keys and loads compare lexicographically (tuples' `PartialOrd`; a NaN is never smaller).
     let mut best: Option<(usize, (f64, f64))> = None;
     for (i, c) in items.iter().enumerate() {
         if !allowed(c) {
             continue;
         }
         let k = key(c);
-        if best.map_or(true, |(_, b)| lt(k, b)) {
+        if best.map_or(true, |(_, b)| k < b) {
             best = Some((i, k));
         }
     }
