@@ -43,7 +43,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_real_engines import MAX_TOKENS, Conversation, Result, counters, drive, reset, vocabulary, workload
+from bench_real_engines import MAX_TOKENS, Conversation, Result, calibrate_prefill, counters, drive, reset, vocabulary, workload
 from kvroute.sim.suite import default_policy
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
 
@@ -74,24 +74,6 @@ def summarise(
         "imbalance": round(max(tokens.values()) / mean, 3) if mean else None,
         "wall_s": round(res.wall_s, 1),
     }
-
-
-def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words: int = 600, repeats: int = 2) -> float:
-    """The engines' prefill speed in tokens/s, for the Router's load model: cold prompts of
-    ``prompt_words`` words (caches reset, max_tokens 1), prompt tokens over the request's wall time;
-    the median over ``repeats`` prompts per engine."""
-    import random
-
-    rng = random.Random(1)
-    reset(list(engines))
-    speeds = []
-    for _ in range(repeats):
-        for e in engines:
-            prompt = " ".join(rng.choice(words) for _ in range(prompt_words))
-            t0 = time.perf_counter()
-            out = e.complete({"prompt": prompt, "max_tokens": 1, "temperature": 0})
-            speeds.append(out["usage"]["prompt_tokens"] / (time.perf_counter() - t0))
-    return float(statistics.median(speeds))
 
 
 def calibrate_decode(engine: Engine, words: list[str], batch: int = 6, tokens: int = 64) -> tuple[float, float]:

@@ -3,10 +3,11 @@ workload through the official ``openai`` client, streamed; the engines' own coun
 
     KVROUTE_E2E_BED=.e2e .e2e/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
         [--conversations 64] [--turns 6] [--threads 6] [--seeds 0,1,2] [--routers kvroute,kvroute:cache_only,sglang]
-        [--sglang-router PATH] [--vllm-router PATH] [--no-pd]
+        [--sglang-router PATH] [--vllm-router PATH] [--no-pd] [--prefill-tokens-per-s N]
 
 Routers, in turn, on the same 2 unified engines (caches reset between them): ``kvroute serve`` (default
-policy, exact mode with the model's tokenizer.json + chat template, KV events), ``kvroute:NAME`` for
+policy, exact mode with the model's tokenizer.json + chat template, KV events; told the engines'
+prefix-cache size and prefill speed, calibrated first: ``calibrate_prefill``), ``kvroute:NAME`` for
 ``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``kvroute+nopending`` for the
 default with ``--no-pending-prefixes`` (overlap from KV events only), ``sglang-router launch --policy
 cache_aware`` and ``vllm-router --policy cache_aware`` (each skipped when not installed). With several
@@ -108,6 +109,9 @@ class Shadow:
 
     engines: Sequence[Engine]
     policy: str | None = None
+    #: What the gateway is told about the engines (None: the Router's defaults).
+    prefill_tokens_per_s: float | None = None
+    prefix_cache_blocks: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -125,7 +129,10 @@ class Shadow:
                 kw["ttft_model"] = m
             r = kvroute.Router(block_size=BLOCK_SIZE, index=index, **kw)
             for w in range(len(self.engines)):
-                r.add_worker(w)
+                spec: dict[str, Any] = {"prefix_cache_blocks": self.prefix_cache_blocks}
+                if self.prefill_tokens_per_s:
+                    spec["prefill_tokens_per_s"] = self.prefill_tokens_per_s
+                r.add_worker(w, **spec)
             self.routers[m] = r
         self.worker_of = {e.url: w for w, e in enumerate(self.engines)}
         self.sub = KvEventSubscriber(
@@ -336,9 +343,35 @@ class Peer:
         stop_pid(self.proc, timeout=10)
 
 
-def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversation], threads: int, shadow: str | None, desc: str) -> Result:
+def calibrate_prefill(engines: Sequence[Engine], words: list[str], prompt_words: int = 600, repeats: int = 2) -> float:
+    """The engines' prefill speed in tokens/s, for the Router's load model: cold prompts of
+    ``prompt_words`` words (caches reset, max_tokens 1), prompt tokens over the request's wall time;
+    the median over ``repeats`` prompts per engine."""
+    rng = random.Random(1)
+    reset(list(engines))
+    speeds = []
+    for _ in range(repeats):
+        for e in engines:
+            prompt = " ".join(rng.choice(words) for _ in range(prompt_words))
+            t0 = time.perf_counter()
+            out = e.complete({"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            speeds.append(out["usage"]["prompt_tokens"] / (time.perf_counter() - t0))
+    return float(statistics.median(speeds))
+
+
+def run(
+    name: str,
+    engines: Sequence[Engine],
+    front: Any,
+    convs: list[Conversation],
+    threads: int,
+    shadow: str | None,
+    desc: str,
+    told: dict[str, Any] | None = None,
+) -> Result:
     """One router: caches reset, the router started, the workload driven, counters' deltas taken.
-    ``shadow``: the kvroute policy to shadow ("" for the default), None for no shadow."""
+    ``shadow``: the kvroute policy to shadow ("" for the default), None for no shadow; ``told``: what
+    the shadows are told about the engines, as the gateway is (`Shadow`'s fields)."""
     reset(engines)
     res = Result(name, desc)
     sh = None
@@ -348,7 +381,7 @@ def run(name: str, engines: Sequence[Engine], front: Any, convs: list[Conversati
         else:
             poll(front.ready, 60, f"{front.name} ready", interval=0.2)
         if shadow is not None:
-            sh = Shadow(engines, policy=shadow or None)
+            sh = Shadow(engines, policy=shadow or None, **(told or {}))
         before = counters(engines)
         drive(front.url, convs, threads, res, sh)
         after = counters(engines)
@@ -415,9 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
     ap.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="the engines' prefill speed every kvroute gateway (and shadow) is told (default: calibrated on the engines, "
+        "see calibrate_prefill; 0 = the gateway's own default, 20000)",
+    )
+    ap.add_argument(
         "--kvroute-args",
         default="",
-        help="extra arguments for every kvroute gateway, e.g. '--prefill-tokens-per-s 4500' (the shadow Routers keep the defaults)",
+        help="extra arguments for every kvroute gateway, e.g. '--local-prefill-max-tokens 64' (the shadow Routers are not told them)",
     )
     a = ap.parse_args(argv)
 
@@ -434,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every kvroute gateway is told the engines' prefix-cache size (vLLM keeps one null block), which
     # the default policy ("capacity") charges evictions against.
     exact = ["--tokenizer", str(bed.model), "--log-level", "warning", "--prefix-cache-blocks", str(a.num_blocks - 1)]
-    exact += shlex.split(a.kvroute_args)
+    told: dict[str, Any] = {"prefix_cache_blocks": a.num_blocks - 1}
     wanted = a.routers.split(",")
     known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
     bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]
@@ -445,6 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     desc = f"2 x {a.num_blocks} blk"
     with bed.running(2, num_blocks=a.num_blocks) as engines:
         urls = [e.url for e in engines]
+        # Every kvroute gateway is told the engines' prefill speed, as a deployment would configure it
+        # (the gateway's default, 20,000 tokens/s, is 4-10x what these CPU engines do).
+        speed = a.prefill_tokens_per_s if a.prefill_tokens_per_s is not None else calibrate_prefill(engines, words)
+        if speed > 0:
+            exact += ["--prefill-tokens-per-s", f"{speed:.0f}"]
+            told["prefill_tokens_per_s"] = round(speed)
+            print(f"kvroute is told the engines prefill {speed:.0f} tokens/s", file=sys.stderr, flush=True)
+        exact += shlex.split(a.kvroute_args)
         # (label, router factory, the kvroute policy its shadows use: "" the default, None no shadow)
         fronts: list[tuple[str, Any, str | None]] = []
         for want in wanted:
@@ -476,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             convs = workload(words, a.systems, a.conversations, a.turns, seed)
             for name, make, shadow in fronts:
-                r = run(name, engines, make(), convs, a.threads, shadow, desc)
+                r = run(name, engines, make(), convs, a.threads, shadow, desc, told)
                 r.seed = seed
                 results.append(r)
                 print(
@@ -501,14 +549,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\n2 vLLM CPU engines ({a.num_blocks} blocks of {BLOCK_SIZE} tokens each), {a.systems} system prompts, {a.conversations} "
         f"conversations x {a.turns} turns = {turns} streamed chat requests per router, {a.threads} client threads, max_tokens {MAX_TOKENS}, "
-        f"seeds {a.seeds}; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t_start:.0f} s in all"
+        f"seeds {a.seeds}; kvroute told {told.get('prefill_tokens_per_s', 'the default')} prefill tokens/s; load average {os.getloadavg()[0]:.2f}; {time.monotonic() - t_start:.0f} s in all"
     )
     print_table(rows)
     if len(seeds) > 1:
         print_summary(rows)
     if a.json:
         for r in rows:
-            print(json.dumps(r))
+            print(json.dumps({**r, "kvroute_prefill_tokens_per_s": told.get("prefill_tokens_per_s")}))
     return 0 if all(r.errors == 0 for r in results) else 1
 
 
