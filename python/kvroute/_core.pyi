@@ -221,6 +221,7 @@ class Router:
         pending_prefixes: bool = True,
         pending_grace_s: float = 1.0,
         pending_ttl_s: float = 60.0,
+        stale_overlaps: bool = True,
         hash_seed: int = 1337,
         ttft_model: Literal["configured", "learned"] = "configured",
         index: KvIndex | None = None,

@@ -96,7 +96,7 @@ impl PyRouter {
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
         local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false,
-        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, hash_seed = 1337, ttft_model = "configured", index = None
+        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, stale_overlaps = true, hash_seed = 1337, ttft_model = "configured", index = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -135,6 +135,7 @@ impl PyRouter {
         pending_prefixes: bool,
         pending_grace_s: f64,
         pending_ttl_s: f64,
+        stale_overlaps: bool,
         hash_seed: u64,
         ttft_model: &str,
         index: Option<&Bound<'_, PyKvIndex>>,
@@ -183,6 +184,7 @@ impl PyRouter {
             pending_prefixes,
             pending_grace_s,
             pending_ttl_s,
+            stale_overlaps,
             ttft_model,
         };
         let index = index.map(|i| i.get().inner.clone());
@@ -393,6 +395,7 @@ impl PyRouter {
         d.set_item("pending_prefixes", c.pending_prefixes)?;
         d.set_item("pending_grace_s", c.pending_grace_s)?;
         d.set_item("pending_ttl_s", c.pending_ttl_s)?;
+        d.set_item("stale_overlaps", c.stale_overlaps)?;
         d.set_item("hash_seed", c.hash_seed)?;
         d.set_item("ttft_model", c.ttft_model.name())?;
         Ok(d)

@@ -215,6 +215,9 @@ pub struct RouterConfig {
     /// Seconds a tracked request's prefix stays pending when its prefill is never reported (a
     /// caller that never calls `prefill_done` / `finished` / `cancel`): bounds the memory.
     pub pending_ttl_s: f64,
+    /// Correct a queued request's predicted prefill when a removal arrives for blocks it was
+    /// routed as holding (see `stale.rs`): the event lag can hide an eviction from the routing.
+    pub stale_overlaps: bool,
     /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
     /// and docs/router.md for why learning is not the default yet).
     pub ttft_model: TtftModel,
@@ -261,6 +264,7 @@ impl Default for RouterConfig {
             pending_prefixes: true,
             pending_grace_s: 1.0,
             pending_ttl_s: 60.0,
+            stale_overlaps: true,
             ttft_model: TtftModel::Configured,
         }
     }
@@ -356,10 +360,11 @@ impl RouterConfig {
         self.policy == "capacity" || self.eviction_weight > 0.0
     }
 
-    /// Whether the router reads the index's removal log: pending prefixes end at a removal, and
-    /// "capacity" measures how often an evicted block is asked for again.
+    /// Whether the router reads the index's removal log: pending prefixes end at a removal,
+    /// "capacity" measures how often an evicted block is asked for again, and a removal can show a
+    /// queued request's overlap stale.
     pub fn reads_removals(&self) -> bool {
-        self.pending_prefixes || self.policy == "capacity"
+        self.pending_prefixes || self.policy == "capacity" || self.stale_overlaps
     }
 
     /// Seconds to move `tokens` tokens of KV cache over the link (0 tokens: nothing to move).

@@ -286,4 +286,8 @@ pub struct InFlight {
     pub routed_at: f64,
     /// Its entry in the router's pending prefixes, if one was recorded.
     pub pending: Option<u64>,
+    /// Blocks it was routed as holding on `prefill_worker` (lowered by stale-overlap corrections).
+    pub overlap_blocks: u32,
+    /// Its stale-overlap checkpoints (`stale.rs`), dropped with its prefill.
+    pub checkpoints: crate::router::stale::Held,
 }

@@ -12,6 +12,7 @@ mod evicted;
 pub mod load;
 pub mod pending;
 pub mod policy;
+pub mod stale;
 
 #[cfg(test)]
 mod tests;
@@ -98,6 +99,10 @@ struct State {
     pending_alive: Vec<WorkerId>,
     /// Where this router is in the index's removal log (`RouterConfig::reads_removals`).
     removal_cursor: u64,
+    /// Blocks pending requests were routed as holding (`RouterConfig::stale_overlaps`).
+    checkpoints: stale::Checkpoints,
+    /// Scratch: (request, overlap at most) from the removals read in one `drain_removals`.
+    corrections: Vec<(u64, u32)>,
 }
 
 #[derive(Default)]
@@ -168,6 +173,8 @@ impl Router {
                 pending: PendingPrefixes::default(),
                 pending_alive: Vec::new(),
                 removal_cursor,
+                checkpoints: stale::Checkpoints::default(),
+                corrections: Vec::new(),
             }),
             epoch: Instant::now(),
             cfg,
@@ -301,6 +308,7 @@ impl Router {
             return Err(RouterError::InvalidArgument(format!("prefill_done called twice for request {request_id}")));
         }
         Self::finish_prefill(&mut st, &rec, now, self.cfg.ttft_model == TtftModel::Learned);
+        st.checkpoints.remove(request_id, &rec.checkpoints);
         st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
         if let Some(tag) = rec.pending {
             st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
@@ -350,6 +358,7 @@ impl Router {
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
             Self::finish_prefill(&mut st, &rec, now, false);
+            st.checkpoints.remove(request_id, &rec.checkpoints);
             if let Some(tag) = rec.pending {
                 st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
             }
@@ -364,6 +373,7 @@ impl Router {
         let mut st = self.state.lock();
         let rec = st.requests.remove(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
         if rec.prefill_pending {
+            st.checkpoints.remove(request_id, &rec.checkpoints);
             if let Some(tag) = rec.pending {
                 st.pending.remove(tag);
             }
@@ -494,6 +504,35 @@ impl Router {
         }
     }
 
+    /// A removal showed that pending request `id` holds at most `pos` of the blocks it was routed
+    /// as holding: its extra prefill joins its predicted work and moves the requests queued behind
+    /// it on that worker (FIFO), as a late `prefill_done` would, but now rather than when it ends.
+    fn correct_overlap(st: &mut State, bs: u64, id: u64, pos: u32, now: f64, window: f64) {
+        let Some(rec) = st.requests.get(&id).copied() else { return };
+        if !rec.prefill_pending || pos >= rec.overlap_blocks || now - rec.routed_at > window {
+            return;
+        }
+        let Some(&at) = st.pos.get(&rec.prefill_worker) else { return };
+        let tokens = (rec.overlap_blocks - pos) as u64 * bs;
+        let extra = st.workers[at].token_time(tokens);
+        let shift = st.shifts[at];
+        let end = |r: &InFlight| r.done_at + (shift - r.shift_at);
+        let mine = end(&rec);
+        for (other, r) in st.requests.iter_mut() {
+            if *other != id && r.prefill_pending && r.prefill_worker == rec.prefill_worker && end(r) >= mine {
+                r.done_at += extra;
+            }
+        }
+        let r = st.requests.get_mut(&id).expect("present");
+        r.done_at += extra;
+        r.work += extra;
+        r.uncached_tokens += tokens;
+        r.overlap_blocks = pos;
+        let w = &mut st.workers[at];
+        w.busy_until = w.busy_until.max(now) + extra;
+        w.prefill_tokens += tokens;
+    }
+
     /// Reads the blocks the engines reported removed since the last look (the index's removal
     /// log): they no longer count as pending, and ("capacity") they are evictions whose reuse is
     /// measured. Then drops pending entries past their expiry.
@@ -502,7 +541,9 @@ impl Router {
             return;
         }
         let (pend, evict, tau) = (self.cfg.pending_prefixes, self.cfg.policy == "capacity", self.cfg.load_window());
-        let State { pending, evicted, removal_cursor, .. } = st;
+        let stale = self.cfg.stale_overlaps;
+        let State { pending, evicted, removal_cursor, checkpoints, corrections, requests, .. } = st;
+        corrections.clear();
         let lost = self.index.removals_since(removal_cursor, |r| match r {
             Removal::Block(w, h) => {
                 if pend {
@@ -511,10 +552,17 @@ impl Router {
                 if evict {
                     evicted.evicted(h, now, tau);
                 }
+                if stale {
+                    checkpoints.removed(w, h, |id, pos| corrections.push((id, pos)));
+                }
             }
             Removal::Worker(w) => {
                 if pend {
                     pending.void_worker(w)
+                }
+                if stale {
+                    let on_w = requests.iter().filter(|(_, r)| r.prefill_pending && r.prefill_worker == w && r.overlap_blocks > 0);
+                    corrections.extend(on_w.map(|(&id, _)| (id, 0)));
                 }
             }
         });
@@ -522,6 +570,15 @@ impl Router {
             pending.void_all();
             evicted.forget();
         }
+        if stale && !st.corrections.is_empty() {
+            let mut fixes = std::mem::take(&mut st.corrections);
+            for &(id, pos) in &fixes {
+                Self::correct_overlap(st, self.cfg.block_size as u64, id, pos, now, self.cfg.pending_grace_s);
+            }
+            fixes.clear();
+            st.corrections = fixes;
+        }
+        let pending = &mut st.pending;
         if pend {
             pending.expire(now);
         }
@@ -753,6 +810,13 @@ impl Router {
             None
         };
         if let Some(id) = req.request_id {
+            // A fetched prefix (hot-prefix relief) is not the worker's own: nothing to check.
+            let checkpoints = if cfg.stale_overlaps && fetch_from.is_none() {
+                st.checkpoints.add(id, c.worker, hashes, c.overlap_blocks)
+            } else {
+                stale::Held::default()
+            };
+            let pw = &mut st.workers[p_at];
             pw.prefilling += 1;
             pw.prefill_tokens += c.uncached_tokens;
             pw.active += 1;
@@ -775,6 +839,8 @@ impl Router {
                     prefill_pending: true,
                     routed_at: now,
                     pending,
+                    overlap_blocks: c.overlap_blocks,
+                    checkpoints,
                 },
             );
         }
