@@ -265,6 +265,10 @@ def test_kvroute_serve_no_pending_prefixes() -> None:
     assert router_config(*events)["pending_prefixes"] is True
     assert router_config(*events, "--no-pending-prefixes")["pending_prefixes"] is False
     assert router_config()["pending_prefixes"] is False
+    # Stale-overlap corrections read the engines' removals: on with KV events, off without them.
+    assert router_config(*events)["stale_overlaps"] is True
+    assert router_config(*events, "--no-stale-overlaps")["stale_overlaps"] is False
+    assert router_config()["stale_overlaps"] is False
 
 
 def test_kvroute_serve_registers_the_engines_prefix_cache_size() -> None:

@@ -75,6 +75,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "events arrive); without KV events routed prefixes go into the index directly (--approx-ttl) and this is implied",
     )
     r.add_argument(
+        "--no-stale-overlaps",
+        action="store_true",
+        help="with --kv-events: do not correct a queued request's predicted prefill when its worker reports evicting blocks it "
+        "was routed as holding; without KV events there are no such reports and this is implied",
+    )
+    r.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -138,6 +144,9 @@ def build_gateway(a: argparse.Namespace) -> Any:
         # Pending prefixes bridge the lag of KV events; without events the gateway stores each routed
         # prefix in the index itself (approx_ttl), so they would only duplicate that, at a cost per request.
         "pending_prefixes": bool(kv_events) and not a.no_pending_prefixes,
+        # A removal is an engine's eviction only with KV events; without them it is the gateway's own
+        # TTL dropping its guess, which says nothing about what a queued request will find.
+        "stale_overlaps": bool(kv_events) and not a.no_stale_overlaps,
     }
     if a.policy:
         router_kw["policy"] = a.policy
