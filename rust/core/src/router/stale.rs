@@ -5,15 +5,17 @@
 //! request routed inside that lag can count blocks its worker no longer holds, and it then
 //! prefills them again. Until its prefill is done the Router's queue for that worker is short by
 //! that recompute, and every request admitted there meanwhile is predicted too early (on the
-//! simulator's long-context trace at 50 ms lag, one 37-block stale overlap made 55 later requests
-//! miss a 5 s SLO they were admitted for).
+//! simulator's long-context trace at 50 ms lag, two stale overlaps of 37-39 blocks made 56 admitted
+//! requests, they and the ones queued behind them, miss a 5 s SLO).
 //!
 //! So the Router remembers, for each tracked request whose prefill is pending, a few of the blocks
 //! it counted as cached (checkpoints), and when a removal of one of them arrives for its worker, the
 //! request's overlap shrinks to that block's position: its extra prefill joins its own predicted
-//! work and moves the requests queued behind it (FIFO). A request's blocks cannot be evicted while
-//! its prefill runs (the engine holds them; the simulator's LRU has just touched them), so a
-//! removal that arrives while the prefill is pending is one the routing could not see.
+//! work and moves the requests queued behind it (FIFO). Only while the prefill is pending (a running
+//! prefill holds its blocks) and only for removals read within `pending_grace_s` of the routing (the
+//! event lag allowed): a removal read later may be an eviction that came after the request was
+//! placed, which vLLM would charge it for only if it was still waiting, and the simulator (whose
+//! engine fixes a request's hit when it is enqueued) never does.
 //!
 //! Checkpoints sit at positions `o - 1, o - 2, o - 4, ...` and `0` of an overlap of `o` blocks
 //! (at most `MAX_CHECKPOINTS`): dense at the deep end, which vLLM evicts first (a request's blocks
