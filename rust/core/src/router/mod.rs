@@ -571,7 +571,11 @@ impl Router {
             evicted.forget();
         }
         if stale && !st.corrections.is_empty() {
+            // One correction per request, to the lowest position removed (corrections add up
+            // linearly, so this is what applying each in turn gives, with one walk of the requests).
             let mut fixes = std::mem::take(&mut st.corrections);
+            fixes.sort_unstable();
+            fixes.dedup_by_key(|f| f.0);
             for &(id, pos) in &fixes {
                 Self::correct_overlap(st, self.cfg.block_size as u64, id, pos, now, self.cfg.pending_grace_s);
             }

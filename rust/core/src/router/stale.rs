@@ -130,10 +130,6 @@ impl Checkpoints {
         }
     }
 
-    pub fn clear(&mut self) {
-        self.map.clear();
-    }
-
     pub fn len(&self) -> usize {
         self.map.len()
     }
