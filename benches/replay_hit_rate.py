@@ -17,7 +17,10 @@ Placements: ``random`` (seeded; LiteLLM's simple-shuffle), ``round_robin``, ``st
 (conversation i on engine i % 2: a conversation never moves), ``sticky-system`` (every conversation of
 a system prompt on that prompt's engine, prompts dealt to balance tokens), ``best-prefix`` (an oracle
 that sees the caches: the engine with the longest cached prefix, ties to the engine with fewer prompt
-tokens so far), and ``kvroute:POLICY`` (a ``kvroute.Router`` whose index the replayed caches feed,
+tokens so far), ``best-prefix<=X`` (the same oracle held to a prompt-token balance: it takes the
+longest cached prefix unless that engine's prompt tokens would exceed X times the mean so far, then
+the other engine if it stays within, else the lighter one; ``--caps``, default 1.3, the integrations
+issue's bound), and ``kvroute:POLICY`` (a ``kvroute.Router`` whose index the replayed caches feed,
 every request finished before the next).
 """
 
@@ -98,7 +101,7 @@ def replay(
     return {"hit_rate": round(hits / queries, 4), "imbalance": round(max(tokens) / mean, 3), "prompt_tokens": tokens}
 
 
-def placements(convs: list[Conversation], seed: int) -> dict[str, Callable[..., int]]:
+def placements(convs: list[Conversation], seed: int, caps: Sequence[float] = (1.3,)) -> dict[str, Callable[..., int]]:
     rng = random.Random(seed)
     rr = iter(range(10**9))
     systems = sorted({c.system for c in convs})
@@ -115,13 +118,28 @@ def placements(convs: list[Conversation], seed: int) -> dict[str, Callable[..., 
         depth = [c.hit_blocks(hashes) for c in caches]
         return max(range(2), key=lambda e: (depth[e], -tokens[e]))
 
-    return {
+    def capped(cap: float) -> Callable[..., int]:
+        def place(conv: int, p: Any, caches: list[LruCache], tokens: list[int]) -> int:
+            hashes = [int(h) for h in p.hashes]
+            depth = [c.hit_blocks(hashes) for c in caches]
+            mean = (sum(tokens) + p.num_tokens) / 2
+            for e in sorted(range(2), key=lambda e: (-depth[e], tokens[e])):
+                if tokens[e] + p.num_tokens <= cap * mean:
+                    return e
+            return min(range(2), key=lambda e: tokens[e])
+
+        return place
+
+    out: dict[str, Callable[..., int]] = {
         "random": lambda conv, p, caches, tokens: rng.randrange(2),
         "round_robin": lambda conv, p, caches, tokens: next(rr) % 2,
         "sticky-conversation": lambda conv, p, caches, tokens: conv % 2,
         "sticky-system": lambda conv, p, caches, tokens: home_sys[convs[conv].system],
         "best-prefix": best,
     }
+    for cap in caps:
+        out[f"best-prefix<={cap:g}"] = capped(cap)
+    return out
 
 
 class KvroutePlacement:
@@ -164,8 +182,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--kvroute-policies", default="capacity,slack,cache_aware,cache_only")
+    ap.add_argument("--caps", default="1.3", help="balance bounds for the capped oracle, comma-separated (default 1.3; '' for none)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        caps = [float(c) for c in a.caps.split(",") if c]
+    except ValueError:
+        ap.error(f"--caps must be comma-separated numbers, got {a.caps!r}")
+    if any(c < 1.0 for c in caps):
+        ap.error("--caps: a balance bound below 1 cannot be kept (max/mean >= 1)")
     from kvroute.prompt import ExactPrompter
 
     bed = Bed(logs=False)
@@ -175,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in (int(s) for s in a.seeds.split(",")):
         convs = workload(words, a.systems, a.conversations, a.turns, seed)
         prompts = [(c, t, prompter.prompt({"messages": convs[c].messages(t)}, True)) for c, t in send_order(convs, a.clients)]
-        places: dict[str, Callable[..., int]] = placements(convs, seed)
+        places: dict[str, Callable[..., int]] = placements(convs, seed, caps)
         for pol in filter(None, a.kvroute_policies.split(",")):
             places[f"kvroute:{pol}"] = KvroutePlacement(pol)
         for name, place in places.items():

@@ -64,3 +64,29 @@ def test_without_a_capacity_nothing_is_evicted_and_the_stream_is_unchanged() -> 
     b = interleaved_workload(4, 5_000, seed=3, open_sessions=8, capacity=None)
     assert [(s.worker, s.session, s.start, s.end) for s in a.stores] == [(s.worker, s.session, s.start, s.end) for s in b.stores]
     assert not any(s.evicted for s in a.stores)
+
+
+def test_replay_capped_oracle_keeps_its_balance_bound_and_otherwise_follows_the_cache() -> None:
+    """`benches/replay_hit_rate.py`'s `best-prefix<=X`: the longest cached prefix unless that engine's
+    prompt tokens would pass X times the mean; the bound holds once one request is small beside the total
+    (before that neither engine may be able to keep it, and the lighter one takes the request)."""
+    from types import SimpleNamespace
+
+    from replay_hit_rate import LruCache, placements
+
+    place = placements([], seed=0, caps=(1.3,))["best-prefix<=1.3"]
+    caches = [LruCache(1000), LruCache(1000)]
+    caches[0].store([1, 2, 3])  # engine 0 holds the shared prefix
+    tokens = [0, 0]
+    picks = []
+    for i in range(40):
+        p = SimpleNamespace(hashes=[1, 2, 3, 100 + i], num_tokens=128)
+        e = place(0, p, caches, tokens)
+        picks.append(e)
+        tokens[e] += p.num_tokens
+        if i >= 5:
+            assert max(tokens) / (sum(tokens) / 2) <= 1.3 + 1e-9
+    # The cache is followed as far as the bound allows: 1.3x the mean is 65% of the tokens on engine 0.
+    assert picks[0] == 0 and 0.6 <= picks.count(0) / len(picks) <= 0.65
+    # Equal prefixes: the lighter engine.
+    assert place(0, SimpleNamespace(hashes=[7], num_tokens=10), [LruCache(10), LruCache(10)], [50, 20]) == 1
