@@ -16,7 +16,9 @@ tiny model prefills fast, and TTFT is mostly queueing and HTTP), and their decod
 beside the requests already on an engine (``--decode-model off``: the Router sees no decode interference, as before
 2026-12-02), and their prefix-cache size (``--num-blocks`` minus vLLM's null block; only the ``capacity`` policy
 reads it). ``--kvroute-policy`` picks the Router policy; a ``kvroute:POLICY`` entry in ``--litellm-policies`` or
-``--ray-policies`` adds a kvroute run with that Router policy, so two policies compare in one run.
+``--ray-policies`` adds a kvroute run with that Router policy, so two policies compare in one run, and a ``@X``
+suffix (``kvroute@off``, ``kvroute:slack@1.5``) runs it with that bounded token share (EngineRouter's
+``token_share_bound``; ``off``: none; without a suffix, EngineRouter's default).
 
 Caches are reset between runs. Per run, one JSON line: ``{"integration", "policy", "routers", "hit_rate"
 (the engines' prefix-cache hits / queries deltas), "ttft_p50_ms", "ttft_p99_ms" (client, to the first
@@ -35,6 +37,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -44,6 +47,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_real_engines import MAX_TOKENS, Conversation, Result, calibrate_prefill, counters, drive, reset, vocabulary, workload
+from kvroute.engines import DEFAULT_TOKEN_SHARE_BOUND
 from kvroute.sim.suite import default_policy
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
 
@@ -133,11 +137,14 @@ class KvrouteSettings:
     policy: str | None
     decode: dict[str, float]
     prefix_cache_blocks: int
+    #: ``token_share_bound`` for EngineRouter; ``...``: its default.
+    token_share_bound: float | EllipsisType | None = ...
 
     def for_entry(self, entry: str) -> KvrouteSettings:
-        """The settings of a policy-list entry: ``kvroute`` as given, ``kvroute:POLICY`` with that Router policy."""
-        policy = kvroute_policy(entry)
-        return self if policy is None else replace(self, policy=policy)
+        """The settings of a policy-list entry: ``kvroute`` as given, ``kvroute:POLICY`` with that Router
+        policy, either with ``@X`` with that token share bound (``@off``: none)."""
+        policy, bound = kvroute_policy(entry), kvroute_share_bound(entry)
+        return replace(self, policy=policy or self.policy, token_share_bound=self.token_share_bound if bound is ... else bound)
 
     def kwargs(self) -> dict[str, Any]:
         """``EngineRouter`` keyword arguments (Ray: ``request_router_kwargs``)."""
@@ -149,6 +156,7 @@ class KvrouteSettings:
             "prefix_cache_blocks": self.prefix_cache_blocks,
             **self.decode,
             **({"policy": self.policy} if self.policy else {}),
+            **({} if self.token_share_bound is ... else {"token_share_bound": self.token_share_bound}),
         }
 
     def row(self) -> dict[str, Any]:
@@ -158,6 +166,7 @@ class KvrouteSettings:
             "kvroute_policy": self.policy or default_policy(),
             "prefix_cache_blocks": self.prefix_cache_blocks,
             "decode_model": self.decode or None,
+            "token_share_bound": DEFAULT_TOKEN_SHARE_BOUND if self.token_share_bound is ... else self.token_share_bound,
         }
 
 
@@ -249,27 +258,45 @@ LITELLM_STRATEGIES = (
 
 
 def kvroute_policy(entry: str) -> str | None:
-    """The Router policy a ``kvroute:POLICY`` entry names (``None`` for a bare ``kvroute`` or a peer);
-    the one place such an entry is parsed."""
-    return entry.split(":", 1)[1] if entry.startswith("kvroute:") else None
+    """The Router policy a ``kvroute:POLICY[@X]`` entry names (``None`` for a bare ``kvroute[@X]`` or a
+    peer); with ``kvroute_share_bound``, the one place such an entry is parsed."""
+    name = entry.split("@", 1)[0]
+    return name.split(":", 1)[1] if name.startswith("kvroute:") else None
+
+
+def kvroute_share_bound(entry: str) -> float | EllipsisType | None:
+    """The token share bound of a kvroute entry's ``@X`` suffix: a number, ``None`` for ``@off``,
+    ``...`` without a suffix (EngineRouter's default); ValueError for anything else."""
+    if "@" not in entry:
+        return ...
+    text = entry.split("@", 1)[1]
+    return None if text == "off" else float(text)
 
 
 def is_kvroute(entry: str) -> bool:
-    """``kvroute`` or ``kvroute:POLICY`` in a policy list."""
-    return entry == "kvroute" or kvroute_policy(entry) is not None
+    """``kvroute[@X]`` or ``kvroute:POLICY[@X]`` in a policy list."""
+    return entry.split("@", 1)[0] == "kvroute" or kvroute_policy(entry) is not None
 
 
 def check_policies(flag: str, entries: list[str], peers: Sequence[str]) -> None:
     """Reject an unknown entry (or an unknown kvroute Router policy) before any engine starts."""
     from kvroute import POLICIES
 
+    def known(e: str) -> bool:
+        if e.split("@", 1)[0] != "kvroute" and kvroute_policy(e) not in POLICIES:
+            return False
+        try:
+            bound = kvroute_share_bound(e)
+        except ValueError:
+            return False
+        return bound is None or bound is ... or bound >= 1.0
+
     for e in entries:
-        if e in peers or e == "kvroute":
-            continue
-        if kvroute_policy(e) in POLICIES:
+        if e in peers or known(e):
             continue
         raise SystemExit(
-            f"{flag}: unknown entry {e!r}; expected kvroute, kvroute:POLICY (POLICY one of {', '.join(POLICIES)}) or one of {', '.join(peers)}"
+            f"{flag}: unknown entry {e!r}; expected kvroute or kvroute:POLICY (POLICY one of {', '.join(POLICIES)}), either "
+            f"optionally with @X (a token share bound >= 1, or @off), or one of {', '.join(peers)}"
         )
 
 

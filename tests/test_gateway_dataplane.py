@@ -269,6 +269,11 @@ def test_kvroute_serve_no_pending_prefixes() -> None:
     assert router_config(*events)["stale_overlaps"] is True
     assert router_config(*events, "--no-stale-overlaps")["stale_overlaps"] is False
     assert router_config()["stale_overlaps"] is False
+    # The bounded token share: off unless asked; a bound below 1 is refused by the Router.
+    assert router_config()["token_share_bound"] is None
+    assert router_config("--token-share-bound", "1.3")["token_share_bound"] == 1.3
+    with pytest.raises(ValueError, match="token_share_bound must be a finite number >= 1"):
+        router_config("--token-share-bound", "0.5")
 
 
 def test_kvroute_serve_registers_the_engines_prefix_cache_size() -> None:

@@ -276,9 +276,23 @@ def test_proxy_handler_reads_its_settings_from_the_environment(monkeypatch: pyte
     try:
         assert isinstance(handler, mod.KvrouteProxyHandler) and mod.proxy_handler is handler, "built once, on first access"
         assert handler.engines.block_size == 32 and handler.engines.router.policy == "cache_aware"
+        assert handler.engines.router.config["token_share_bound"] == 1.25, "the integrations' default bound"
     finally:
         handler.engines.close()
+    for text, bound in (("off", None), ("1.5", 1.5)):
+        monkeypatch.delitem(mod.__dict__, "proxy_handler")
+        monkeypatch.setenv("KVROUTE_TOKEN_SHARE_BOUND", text)
+        handler = mod.proxy_handler
+        try:
+            assert handler.engines.router.config["token_share_bound"] == bound
+        finally:
+            handler.engines.close()
     monkeypatch.delitem(mod.__dict__, "proxy_handler")
+    monkeypatch.setenv("KVROUTE_TOKEN_SHARE_BOUND", "lots")
+    with pytest.raises(ValueError, match="KVROUTE_TOKEN_SHARE_BOUND='lots': expected number or off"):
+        mod.proxy_handler  # noqa: B018
+    monkeypatch.delenv("KVROUTE_TOKEN_SHARE_BOUND")
+    monkeypatch.delitem(mod.__dict__, "proxy_handler", raising=False)
     monkeypatch.setenv("KVROUTE_BLOCK_SIZE", "sixteen")
     with pytest.raises(ValueError, match="KVROUTE_BLOCK_SIZE='sixteen': expected int"):
         mod.proxy_handler  # noqa: B018

@@ -318,3 +318,20 @@ def test_a_slow_metrics_endpoint_is_no_failure() -> None:
         e = er.add("slow", f"http://127.0.0.1:{s.getsockname()[1]}")
         assert er.poll_metrics(e, timeout=0.2) is None
         assert not er.cooling_down("slow"), "only a refused connection says the engine is gone"
+
+
+def test_engine_router_bounds_each_engines_token_share_by_default() -> None:
+    """The integrations' engines are unified: EngineRouter holds each to 1.25x the mean share of the
+    prompt tokens it routed (docs/router.md, bounded token share); None turns it off."""
+    assert EngineRouter(block_size=16).router.config["token_share_bound"] == 1.25
+    assert EngineRouter(block_size=16, token_share_bound=None).router.config["token_share_bound"] is None
+    er = EngineRouter(block_size=16)
+    er.add("a", "http://127.0.0.1:1")
+    er.add("b", "http://127.0.0.1:2")
+    picks = []
+    for i in range(100):  # one conversation family: without the bound every turn would follow its prefix
+        lease = er.lease(_chat("one shared system prompt " * 60, 1 + i % 3), chat=True)
+        picks.append(er.engine_of(lease).key)
+        er.leases.finish(lease.ticket)
+    assert picks[:10] == picks[:1] * 10, "a short history is not split (8 requests of slack)"
+    assert 0.35 <= picks.count("b") / len(picks) <= 0.65, picks

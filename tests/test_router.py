@@ -675,3 +675,37 @@ def test_capacity_keeps_a_prefix_where_a_full_cache_would_evict():
         d = r.route(p, now=100.0)
         picks[policy] = (d.worker, d.reason)
     assert picks == {"slack": (1, "slack"), "capacity": (0, "capacity")}
+
+
+# ---- bounded token share ------------------------------------------------------------------
+
+
+def test_token_share_bound_holds_a_cached_prefix_family_to_its_share():
+    """One prefix family cached on worker 0 only: the default policy keeps it there while the queue
+    is short; with `token_share_bound=1.25` worker 0 keeps what the bound allows (62.5% of 2 workers'
+    tokens) and the rest goes elsewhere, the bound holding once a request is small beside the total."""
+    system = prompt(70, 2048)
+
+    def run(bound):
+        r = make("capacity", token_share_bound=bound, load_window_s=1000.0)  # the run is one window
+        hold(r, 0, system)
+        tokens = [0, 0]
+        for i in range(120):
+            p = np.concatenate([system, prompt(1000 + i, 64)])
+            d = r.route(p, now=i * 0.5)  # queues drain between requests: load never moves them
+            tokens[d.worker] += len(p)
+            if bound is not None:  # full at the bound once 8 requests ahead of the mean; passed by one request at most
+                mean = sum(tokens) / 2
+                assert max(tokens) <= max(bound * mean, mean + 8 * len(p)) + len(p), (i, tokens)
+        return tokens
+
+    assert run(None)[1] == 0
+    t = run(1.25)
+    assert 0.58 <= t[0] / sum(t) <= 0.64, t  # 62.5%, and one request past it at most
+    assert make("capacity").config["token_share_bound"] is None, "off in the Router by default"
+
+
+@pytest.mark.parametrize("bad", [0.99, float("nan"), float("inf")])
+def test_token_share_bound_is_checked(bad):
+    with pytest.raises(ValueError, match="token_share_bound must be a finite number >= 1"):
+        Router(token_share_bound=bad)

@@ -224,6 +224,7 @@ class Router:
         stale_overlaps: bool = True,
         hash_seed: int = 1337,
         ttft_model: Literal["configured", "learned"] = "configured",
+        token_share_bound: float | None = None,
         index: KvIndex | None = None,
     ) -> None: ...
     def add_worker(

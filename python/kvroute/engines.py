@@ -29,7 +29,10 @@ from kvroute.gateway.metrics import parse_engine_metrics
 from kvroute.lease import Lease, LeaseTable
 from kvroute.prompt import ApproxCache, Prompter, load_prompter
 
-__all__ = ["Engine", "EngineRouter", "NoCandidates"]
+__all__ = ["DEFAULT_TOKEN_SHARE_BOUND", "Engine", "EngineRouter", "NoCandidates"]
+
+#: EngineRouter's bounded token share (``kvroute.Router``'s ``token_share_bound``): see EngineRouter.
+DEFAULT_TOKEN_SHARE_BOUND = 1.25
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,12 @@ class EngineRouter:
     the ``capacity`` policy (and ``eviction_weight``) needs to charge what a placement evicts; the
     occupancy is the index's count for the engine, raised by the engine's reported KV usage when
     that is higher. 0 (prefix caching off) is charged nothing, as ``None`` is: no cached block to
-    evict. ``router_kwargs`` go to ``kvroute.Router``.
+    evict. ``token_share_bound`` (default 1.25; ``None`` = off) keeps every engine within that many
+    times the mean of the prompt tokens this router sent over its load window (``kvroute.Router``'s
+    bounded token share, docs/router.md): behind a host router the engines are unified, so a prompt's
+    tokens stay on its engine as KV for its whole decode, and a cache-affine policy would otherwise let
+    one popular prefix family hold most of the pool's running KV where prefill is too cheap for the
+    queue to move it. ``router_kwargs`` go to ``kvroute.Router``.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class EngineRouter:
         approx_ttl: float = 120.0,
         metrics_interval: float | None = None,
         failure_cooldown: float = 10.0,
+        token_share_bound: float | None = DEFAULT_TOKEN_SHARE_BOUND,
         clock: Callable[[], float] = time.monotonic,
         **router_kwargs: Any,
     ) -> None:
@@ -112,7 +121,7 @@ class EngineRouter:
         self.failure_cooldown = failure_cooldown
         self.clock = clock
         self.prompter: Prompter = load_prompter(tokenizer, block_size, hash_seed)
-        self.router = Router(block_size=block_size, hash_seed=hash_seed, **router_kwargs)
+        self.router = Router(block_size=block_size, hash_seed=hash_seed, token_share_bound=token_share_bound, **router_kwargs)
         self.leases = LeaseTable(self.router, ttl=lease_ttl, clock=clock)
         self.approx = ApproxCache(self.router.index, approx_ttl)
         self._lock = threading.RLock()

@@ -81,6 +81,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "was routed as holding; without KV events there are no such reports and this is implied",
     )
     r.add_argument(
+        "--token-share-bound",
+        type=float,
+        default=None,
+        metavar="X",
+        help="keep every worker within X times the mean of the prompt tokens routed over the load window (>= 1; "
+        "default: no bound; the LiteLLM and Ray integrations use 1.25, docs/router.md)",
+    )
+    r.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -147,6 +155,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
         # A removal is an engine's eviction only with KV events; without them it is the gateway's own
         # TTL dropping its guess, which says nothing about what a queued request will find.
         "stale_overlaps": bool(kv_events) and not a.no_stale_overlaps,
+        "token_share_bound": a.token_share_bound,
     }
     if a.policy:
         router_kw["policy"] = a.policy

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvroute.engines import EngineRouter, NoCandidates
@@ -246,25 +246,31 @@ class KvrouteStrategy(CustomRoutingStrategyBase):  # type: ignore[misc,unused-ig
         return self.callback.pick(model, deployments, messages, input, kw)
 
 
+def _number_or_off(text: str) -> float | None:
+    return None if text.strip().lower() == "off" else float(text)
+
+
 def _env_settings() -> dict[str, Any]:
     """The proxy's settings: ``KVROUTE_TOKENIZER``, ``KVROUTE_BLOCK_SIZE``, ``KVROUTE_POLICY``,
-    ``KVROUTE_LEASE_TTL``, ``KVROUTE_METRICS_INTERVAL``, ``KVROUTE_PREFILL_TOKENS_PER_S``."""
+    ``KVROUTE_LEASE_TTL``, ``KVROUTE_METRICS_INTERVAL``, ``KVROUTE_PREFILL_TOKENS_PER_S``,
+    ``KVROUTE_TOKEN_SHARE_BOUND`` (a number, or ``off``)."""
     env = os.environ
     out: dict[str, Any] = {}
-    conv = {
+    conv: dict[str, tuple[str, Callable[[str], Any]]] = {
         "KVROUTE_TOKENIZER": ("tokenizer", str),
         "KVROUTE_BLOCK_SIZE": ("block_size", int),
         "KVROUTE_POLICY": ("policy", str),
         "KVROUTE_LEASE_TTL": ("lease_ttl", float),
         "KVROUTE_METRICS_INTERVAL": ("metrics_interval", float),
         "KVROUTE_PREFILL_TOKENS_PER_S": ("prefill_tokens_per_s", float),
+        "KVROUTE_TOKEN_SHARE_BOUND": ("token_share_bound", _number_or_off),
     }
     for var, (name, typ) in conv.items():
         if env.get(var):
             try:
                 out[name] = typ(env[var])
             except ValueError as e:
-                raise ValueError(f"{var}={env[var]!r}: expected {typ.__name__}") from e
+                raise ValueError(f"{var}={env[var]!r}: expected {typ.__name__.strip('_').replace('_', ' ')}") from e
     return out
 
 

@@ -96,7 +96,7 @@ impl PyRouter {
         temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
         decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
         local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false,
-        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, stale_overlaps = true, hash_seed = 1337, ttft_model = "configured", index = None
+        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, stale_overlaps = true, hash_seed = 1337, ttft_model = "configured", token_share_bound = None, index = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -138,6 +138,7 @@ impl PyRouter {
         stale_overlaps: bool,
         hash_seed: u64,
         ttft_model: &str,
+        token_share_bound: Option<f64>,
         index: Option<&Bound<'_, PyKvIndex>>,
     ) -> PyResult<Self> {
         let ttft_model = TtftModel::from_name(ttft_model)
@@ -186,6 +187,7 @@ impl PyRouter {
             pending_ttl_s,
             stale_overlaps,
             ttft_model,
+            token_share_bound,
         };
         let index = index.map(|i| i.get().inner.clone());
         Ok(PyRouter { inner: Arc::new(Router::new(cfg, index).map_err(to_py)?) })
@@ -398,6 +400,7 @@ impl PyRouter {
         d.set_item("stale_overlaps", c.stale_overlaps)?;
         d.set_item("hash_seed", c.hash_seed)?;
         d.set_item("ttft_model", c.ttft_model.name())?;
+        d.set_item("token_share_bound", c.token_share_bound)?;
         Ok(d)
     }
 

@@ -221,6 +221,11 @@ pub struct RouterConfig {
     /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
     /// and docs/router.md for why learning is not the default yet).
     pub ttft_model: TtftModel,
+    /// Bounded token share (`share.rs`): a worker whose prompt tokens routed over the load window
+    /// have reached this many times the prefill workers' mean (this request counted), and lead it
+    /// by 8 requests of this one's size, is chosen only when every worker has. None (the Router's
+    /// default): no bound. >= 1.
+    pub token_share_bound: Option<f64>,
 }
 
 impl Default for RouterConfig {
@@ -265,6 +270,7 @@ impl Default for RouterConfig {
             pending_grace_s: 1.0,
             pending_ttl_s: 60.0,
             stale_overlaps: true,
+            token_share_bound: None,
             ttft_model: TtftModel::Configured,
         }
     }
@@ -346,6 +352,9 @@ impl RouterConfig {
         finite_nonneg("link_latency_s", self.link_latency_s)?;
         if let Some(q) = self.prefill_busy_queue_s {
             finite_nonneg("prefill_busy_queue_s", q)?;
+        }
+        if let Some(b) = self.token_share_bound {
+            check(b.is_finite() && b >= 1.0, || format!("token_share_bound must be a finite number >= 1 (times the mean share), got {b}"))?;
         }
         finite_nonneg("pending_grace_s", self.pending_grace_s)?;
         check(self.pending_ttl_s.is_finite() && self.pending_ttl_s > 0.0, || {

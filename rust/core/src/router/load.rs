@@ -142,6 +142,9 @@ pub struct WorkerLoad {
     pub prefill_fit: PrefillFit,
     /// When the last prefill here finished (`prefill_done`, `finished`); -inf before any.
     pub last_prefill_done: f64,
+    /// Prompt tokens routed here, decaying over the load window (`RouterConfig::token_share_bound`;
+    /// as of the router's last route, see `share.rs`).
+    pub routed_tokens: f64,
 }
 
 impl WorkerLoad {
@@ -158,6 +161,7 @@ impl WorkerLoad {
             observed: Observed::default(),
             prefill_fit: PrefillFit::default(),
             last_prefill_done: f64::NEG_INFINITY,
+            routed_tokens: 0.0,
         }
     }
 

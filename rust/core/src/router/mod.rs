@@ -12,6 +12,7 @@ mod evicted;
 pub mod load;
 pub mod pending;
 pub mod policy;
+mod share;
 pub mod stale;
 
 #[cfg(test)]
@@ -103,6 +104,8 @@ struct State {
     checkpoints: stale::Checkpoints,
     /// Scratch: (request, overlap at most) from the removals read in one `drain_removals`.
     corrections: Vec<(u64, u32)>,
+    /// When the workers' `routed_tokens` were last decayed (`RouterConfig::token_share_bound`).
+    routed_at: Option<f64>,
 }
 
 #[derive(Default)]
@@ -175,6 +178,7 @@ impl Router {
                 removal_cursor,
                 checkpoints: stale::Checkpoints::default(),
                 corrections: Vec::new(),
+                routed_at: None,
             }),
             epoch: Instant::now(),
             cfg,
@@ -735,6 +739,15 @@ impl Router {
             }
         }
 
+        // Bounded token share: the policy chooses among the workers that stay within the bound.
+        let within = match (cfg.token_share_bound, pinned) {
+            (Some(bound), None) => {
+                let mean = share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.load_window(), num_tokens);
+                share::partition(&mut st.cands, &st.workers, &st.pos, bound, mean, num_tokens)
+            }
+            _ => st.cands.len(),
+        };
+
         let mut fetch_from = None;
         let (c, reason) = match chosen {
             Some(x) => x,
@@ -754,7 +767,7 @@ impl Router {
                 };
                 let (mut i, mut reason) = match pinned {
                     Some(_) => (0, Reason::Pinned),
-                    None => self.policy.choose(&mut ctx, cands),
+                    None => self.policy.choose(&mut ctx, &mut cands[..within]),
                 };
                 // Early rejection: the policy's choice misses the SLO -> the fastest worker, if any keeps it.
                 if let (true, Some(slo)) = (cfg.reject, cfg.ttft_slo) {
@@ -797,6 +810,12 @@ impl Router {
         let p_at = st.pos[&c.worker];
         let d_at = decode_at.unwrap_or(p_at);
         let shift_at = st.shifts[p_at];
+        if cfg.token_share_bound.is_some() {
+            if pinned.is_some() {
+                share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.load_window(), num_tokens);
+            }
+            st.workers[p_at].routed_tokens += num_tokens as f64;
+        }
         let pw = &mut st.workers[p_at];
         let done_at = pw.enqueue_prefill(now, c.prefill_time);
         let busy_until = pw.busy_until;
