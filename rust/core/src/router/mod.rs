@@ -108,6 +108,15 @@ struct State {
     routed_at: Option<f64>,
 }
 
+/// The factor that decays an exponentially weighted quantity last updated at `*at` to `now` (time
+/// constant `tau`; 1 before any update, and for a clock that stepped back), and moves `*at` forward to `now`.
+/// The one decay behind the offered load, the evicted-block reuse and the token share.
+fn decay_since(at: &mut Option<f64>, now: f64, tau: f64) -> f64 {
+    let dt = at.map_or(0.0, |t| (now - t).max(0.0));
+    *at = Some(at.map_or(now, |t| t.max(now)));
+    (-dt / tau).exp()
+}
+
 #[derive(Default)]
 struct Scratch {
     hashes: Vec<u64>,
@@ -740,12 +749,16 @@ impl Router {
         }
 
         // Bounded token share: the policy chooses among the workers that stay within the bound.
-        let within = match (cfg.token_share_bound, pinned) {
-            (Some(bound), None) => {
+        // A pin skips the bound but is counted (at admission), so the counts are decayed here for it too.
+        let within = match cfg.token_share_bound {
+            Some(bound) => {
                 let mean = share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.load_window(), num_tokens);
-                share::partition(&mut st.cands, &st.workers, &st.pos, bound, mean, num_tokens)
+                match pinned {
+                    None => share::partition(&mut st.cands, &st.workers, &st.pos, bound, mean, num_tokens),
+                    Some(_) => st.cands.len(),
+                }
             }
-            _ => st.cands.len(),
+            None => st.cands.len(),
         };
 
         let mut fetch_from = None;
@@ -811,9 +824,6 @@ impl Router {
         let d_at = decode_at.unwrap_or(p_at);
         let shift_at = st.shifts[p_at];
         if cfg.token_share_bound.is_some() {
-            if pinned.is_some() {
-                share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.load_window(), num_tokens);
-            }
             st.workers[p_at].routed_tokens += num_tokens as f64;
         }
         let pw = &mut st.workers[p_at];
@@ -892,11 +902,9 @@ impl Router {
     fn record_offered(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> (f64, f64) {
         let tokens = st.cands.iter().map(|c| c.uncached_tokens).min().unwrap_or(num_tokens);
         let tau = cfg.load_window();
-        let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
-        let decay = (-dt / tau).exp();
+        let decay = decay_since(&mut st.offered_at, now, tau);
         st.offered_rate = st.offered_rate * decay + tokens as f64 / tau;
         st.offered_sq = st.offered_sq * decay + (tokens as f64).powi(2) / tau;
-        st.offered_at = Some(st.offered_at.map_or(now, |t| t.max(now)));
         let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         if capacity > 0.0 {
             // Arrivals are (close to) a compound Poisson stream: the exponentially weighted rate
