@@ -65,12 +65,9 @@ impl EvictedReuse {
     }
 
     fn decay(&mut self, now: f64, tau: f64) {
-        if let Some(t) = self.at {
-            let keep = (-(now - t).max(0.0) / tau).exp();
-            self.evicted *= keep;
-            self.reused *= keep;
-        }
-        self.at = Some(self.at.map_or(now, |t| t.max(now)));
+        let keep = super::decay_since(&mut self.at, now, tau);
+        self.evicted *= keep;
+        self.reused *= keep;
     }
 
     /// An engine evicted block `hash` (its removal reached the index).

@@ -24,9 +24,7 @@ use crate::index::WorkerId;
 /// Decays every worker's routed-token count to `now` (time constant `tau`) and returns the mean
 /// over the prefill workers once `num_tokens` more are routed.
 pub(super) fn decay_to(workers: &mut [WorkerLoad], at: &mut Option<f64>, now: f64, tau: f64, num_tokens: u64) -> f64 {
-    let dt = at.map_or(0.0, |t| (now - t).max(0.0));
-    *at = Some(at.map_or(now, |t| t.max(now)));
-    let decay = (-dt / tau).exp();
+    let decay = super::decay_since(at, now, tau);
     let (mut total, mut n) = (num_tokens as f64, 0usize);
     for w in workers.iter_mut() {
         w.routed_tokens *= decay;
