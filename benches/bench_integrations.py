@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -289,7 +290,7 @@ def check_policies(flag: str, entries: list[str], peers: Sequence[str]) -> None:
             bound = kvroute_share_bound(e)
         except ValueError:
             return False
-        return bound is None or bound is ... or bound >= 1.0
+        return bound is None or bound is ... or (math.isfinite(bound) and bound >= 1.0)
 
     for e in entries:
         if e in peers or known(e):

@@ -29,7 +29,7 @@ def test_entries_name_a_policy_and_a_share_bound() -> None:
     assert (kw["policy"], kw["token_share_bound"]) == ("slack", 1.5)
 
 
-@pytest.mark.parametrize("bad", ["kvroute:nope", "kvroute@0.5", "kvroute@lots", "kvroot", "kvroute:slack@"])
+@pytest.mark.parametrize("bad", ["kvroute:nope", "kvroute@0.5", "kvroute@inf", "kvroute@nan", "kvroute@lots", "kvroot", "kvroute:slack@"])
 def test_a_malformed_entry_stops_the_bench(bad: str) -> None:
     check_policies("--litellm-policies", ["kvroute", "kvroute@off", "kvroute:capacity@1.3", "simple-shuffle"], ["simple-shuffle"])
     with pytest.raises(SystemExit, match="unknown entry"):
