@@ -1,6 +1,8 @@
 //! PyO3 bindings for kvroute-core: argument conversion (numpy zero-copy), errors to Python
 //! exceptions, and the GIL released around every call that does real work.
 
+#[cfg(feature = "aisim")]
+mod aisim;
 mod convert;
 mod dataplane;
 mod errors;
@@ -71,5 +73,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EventError", m.py().get_type::<events::EventError>())?;
     dataplane::register(m)?;
     prompt::register(m)?;
+    #[cfg(feature = "aisim")]
+    m.add_function(wrap_pyfunction!(aisim::aisim_replay, m)?)?;
+    m.add("HAS_AISIM", cfg!(feature = "aisim"))?;
     Ok(())
 }

@@ -198,6 +198,43 @@ impl KvIndex {
         }
         let EventScratch { batch, seqs, removals } = scratch;
         decode_batch(payload, block_size, batch)?;
+        self.apply_decoded(worker, batch, block_size, seed, seqs, removals)
+    }
+
+    /// Applies a batch already decoded (or built in process, as the simulator's engines do) to
+    /// worker `worker + batch.dp_rank`: the second half of `apply_event_batch_with`, so an
+    /// in-process event source takes the same path as a live engine's payload after decoding.
+    /// `seqs` and `removals` are scratch buffers.
+    pub fn apply_decoded(
+        &self,
+        worker: WorkerId,
+        batch: &DecodedBatch,
+        block_size: usize,
+        seed: u64,
+        seqs: &mut Vec<u64>,
+        removals: &mut Vec<u64>,
+    ) -> Result<ApplyStats, EventError> {
+        if block_size == 0 {
+            return Err(EventError::InvalidBlockSize(0));
+        }
+        // `decode_batch` checks this for a payload; a batch built in process is checked here, before
+        // anything is applied, so a bad batch still leaves the index unchanged.
+        for (i, ev) in batch.events.iter().enumerate() {
+            if let DecodedEvent::Stored { hashes, tokens, .. } = ev {
+                let (blocks, n) = (hashes.len(), tokens.len());
+                if n != blocks * block_size || hashes.end > batch.hashes.len() || tokens.end > batch.tokens.len() {
+                    return Err(EventError::TokenCount { at: format!("events[{i}].token_ids"), tokens: n, blocks, block_size });
+                }
+            }
+            if let DecodedEvent::Removed { hashes, .. } = ev {
+                if hashes.end > batch.hashes.len() {
+                    return Err(EventError::OutOfRange {
+                        at: format!("events[{i}].block_hashes"),
+                        what: "a range inside the batch's hashes",
+                    });
+                }
+            }
+        }
         let w = worker.checked_add(batch.dp_rank as u64).ok_or(EventError::WorkerOverflow { worker, rank: batch.dp_rank })?;
         let mut st = ApplyStats { worker: w, ..Default::default() };
         let map = self.engine_maps.get(w);

@@ -350,3 +350,32 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn apply_decoded_takes_in_process_batches_and_refuses_bad_ones_whole() {
+    let idx = KvIndex::new(None);
+    let tokens: Vec<u32> = (0..8).collect();
+    let mut b = DecodedBatch::default();
+    b.hashes.extend([11, 12]);
+    b.tokens.extend_from_slice(&tokens);
+    b.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..8, tier: Tier::Device });
+    let (mut seqs, mut rem) = (Vec::new(), Vec::new());
+    let st = idx.apply_decoded(3, &b, 4, DEFAULT_SEED, &mut seqs, &mut rem).unwrap();
+    assert_eq!(st.blocks_stored, 2);
+    // The same blocks as a live payload would give: the router's own sequence hashes.
+    let m = idx.find_matches(&sequence_hashes(&tokens, 4, DEFAULT_SEED, None), ANY_TIER);
+    assert_eq!(m.get(3), Some(2));
+    // A Stored event whose tokens do not fill its blocks is refused before anything applies.
+    let mut bad = DecodedBatch::default();
+    bad.hashes.extend([21, 22]);
+    bad.tokens.extend_from_slice(&tokens[..7]);
+    bad.events.push(DecodedEvent::Removed { hashes: 0..1, tier: Tier::Device });
+    bad.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..7, tier: Tier::Device });
+    let e = idx.apply_decoded(3, &bad, 4, DEFAULT_SEED, &mut seqs, &mut rem).unwrap_err();
+    assert!(matches!(e, EventError::TokenCount { tokens: 7, blocks: 2, block_size: 4, .. }), "{e}");
+    // A range outside the batch's buffers is refused too.
+    let mut oob = DecodedBatch::default();
+    oob.events.push(DecodedEvent::Removed { hashes: 0..3, tier: Tier::Device });
+    assert!(idx.apply_decoded(3, &oob, 4, DEFAULT_SEED, &mut seqs, &mut rem).is_err());
+    assert_eq!(idx.num_blocks(3), 2);
+}

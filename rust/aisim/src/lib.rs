@@ -1,0 +1,12 @@
+//! kvroute on a realistic engine model: NVIDIA AISimulate's engines (continuous batching, chunked
+//! prefill, one KV pool for running requests and the prefix cache, preemption, GPU timing), with
+//! kvroute's Router as the placement policy, fed by the engines' KV events through its `KvIndex`.
+
+pub mod engine;
+pub mod metrics;
+pub mod placement;
+pub mod run;
+
+pub use engine::{EngineModel, PolyFit, Timing, BUILTIN};
+pub use metrics::{RequestRecord, Slo, Summary};
+pub use run::{load_trace, run, trace_from_rows, Placer, RunResult, RunSpec, Topology, TRACE_BLOCK_SIZE};

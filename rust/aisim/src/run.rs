@@ -1,0 +1,222 @@
+//! One replay: a Mooncake-format trace on an AISimulate cluster, placed by kvroute's Router or by
+//! round robin, reduced to per-request records and a `Summary`.
+
+use std::cell::RefCell;
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use aisimulate_core::engine::{EngineConfig, WorkerType};
+use aisimulate_core::replay::loadgen::{MooncakeRow, Trace};
+use aisimulate_core::replay::{
+    ReplayComposition, ReplayEngineConfig, ReplayEngineFactory, ReplayReport, ReplayRoleConfig, ReplayRuntimeInput, ReplaySpec,
+    ReplayTopology, Replayer, WorkerPoolSpec, WorkerTopology, CURRENT_REPLAY_SPEC_VERSION,
+};
+use anyhow::{bail, ensure, Context, Result};
+use kvroute_core::router::WorkerSpec;
+use kvroute_core::Router;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::EngineModel;
+use crate::metrics::{RequestRecord, Slo, Summary};
+use crate::placement::{KvEventObservation, KvroutePlacement, Shared};
+
+/// Tokens per `hash_ids` entry in Mooncake-format traces.
+pub const TRACE_BLOCK_SIZE: usize = 512;
+
+/// Which workers the cluster has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Topology {
+    /// Unified workers (prefill and decode on each).
+    Aggregated { workers: usize },
+    /// xPyD: `prefill` prefill-only and `decode` decode-only workers.
+    Disaggregated { prefill: usize, decode: usize },
+}
+
+impl Topology {
+    fn validate(&self) -> Result<()> {
+        match *self {
+            Topology::Aggregated { workers } => ensure!(workers >= 1, "topology: workers must be >= 1, got {workers}"),
+            Topology::Disaggregated { prefill, decode } => {
+                ensure!(prefill >= 1 && decode >= 1, "topology: prefill and decode must be >= 1, got {prefill}P{decode}D")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Who places requests.
+pub enum Placer {
+    /// kvroute's Router (a fresh one: it must have no workers yet; the run registers them).
+    Kvroute(Arc<Router>),
+    /// AISimulate's round robin (no KV awareness).
+    RoundRobin,
+}
+
+/// A run's inputs besides the placer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSpec {
+    pub engine: EngineModel,
+    pub topology: Topology,
+    #[serde(default)]
+    pub slo: Slo,
+    /// Typical prompt length, tokens: where the Router's prefill speed is read off the timing fit.
+    #[serde(default = "typical")]
+    pub typical_prompt_tokens: f64,
+}
+
+fn typical() -> f64 {
+    4096.0
+}
+
+/// What one run produced.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub summary: Summary,
+    pub records: Vec<RequestRecord>,
+    /// Wall-clock seconds the replay took.
+    pub wall_s: f64,
+}
+
+/// Reads a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
+/// `hash_ids` of 512-token blocks, optional `session_id`), arrivals sped up by `speedup`.
+pub fn load_trace(path: &Path, speedup: f64) -> Result<Trace> {
+    ensure!(speedup.is_finite() && speedup > 0.0, "speedup must be a finite number > 0, got {speedup}");
+    let t = Trace::from_mooncake(path, TRACE_BLOCK_SIZE).with_context(|| format!("reading trace {}", path.display()))?;
+    t.speed_up_timing(speedup)
+}
+
+/// The same from rows already in memory.
+pub fn trace_from_rows(rows: Vec<MooncakeRow>, speedup: f64) -> Result<Trace> {
+    ensure!(!rows.is_empty(), "the trace has no requests");
+    ensure!(speedup.is_finite() && speedup > 0.0, "speedup must be a finite number > 0, got {speedup}");
+    Trace::from_mooncake_rows(rows, TRACE_BLOCK_SIZE)?.speed_up_timing(speedup)
+}
+
+struct KvrouteComposition {
+    shared: Rc<RefCell<Shared>>,
+}
+
+impl ReplayComposition for KvrouteComposition {
+    type Metadata = ();
+    type Observation = KvEventObservation;
+    type AggregatedPlacement = KvroutePlacement;
+    type DisaggregatedPlacement = KvroutePlacement;
+
+    fn create_aggregated_placement(&mut self, _dp_size: u32, topology: Vec<WorkerTopology>) -> Result<KvroutePlacement> {
+        KvroutePlacement::new(self.shared.clone(), 0, &topology)
+    }
+
+    fn create_disaggregated_placements(
+        &mut self,
+        _prefill_dp_size: u32,
+        prefill: Vec<WorkerTopology>,
+        _decode_dp_size: u32,
+        decode: Vec<WorkerTopology>,
+    ) -> Result<(KvroutePlacement, KvroutePlacement)> {
+        Ok((KvroutePlacement::new(self.shared.clone(), 0, &prefill)?, KvroutePlacement::new(self.shared.clone(), 1, &decode)?))
+    }
+}
+
+fn spec(engine: &EngineModel, topology: ReplayTopology, kv_events: bool) -> Result<ReplaySpec> {
+    let mut cfg = ReplayEngineConfig { rank: engine.to_aisim(kv_events), ..Default::default() };
+    if matches!(topology, ReplayTopology::Disaggregated { .. }) {
+        // The Router indexes the prefill pool only: decode engines publish no KV events.
+        let role = |worker_type, events| ReplayRoleConfig {
+            dp_size: 1,
+            tensor_parallel_size: 1,
+            prefill_context_parallel_size: 1,
+            num_gpu_blocks_is_explicit: Some(true),
+            rank: EngineConfig { worker_type, ..engine.to_aisim(events) },
+        };
+        cfg.prefill = Some(role(WorkerType::Prefill, kv_events));
+        cfg.decode = Some(role(WorkerType::Decode, false));
+        cfg.rank = cfg.prefill.as_ref().expect("set").rank.clone();
+    }
+    Ok(ReplaySpec {
+        version: CURRENT_REPLAY_SPEC_VERSION,
+        topology,
+        engine: serde_json::to_value(cfg)?,
+        adapters: Default::default(),
+        max_sim_time_ms: None,
+        max_in_flight: None,
+        record_per_request: true,
+        sla: Default::default(),
+        requests: Vec::new(),
+    })
+}
+
+fn pools(t: Topology, sink: usize) -> ReplayTopology {
+    let pool = |n: usize| WorkerPoolSpec { initial_workers: n + sink, ..Default::default() };
+    match t {
+        Topology::Aggregated { workers } => ReplayTopology::Aggregated { workers: pool(workers) },
+        Topology::Disaggregated { prefill, decode } => {
+            ReplayTopology::Disaggregated { prefill: pool(prefill), decode: pool(decode), handoff_latency_ms: 0.0 }
+        }
+    }
+}
+
+fn factory(engine: &EngineModel) -> ReplayEngineFactory {
+    match engine.timing_provider() {
+        Some(t) => ReplayEngineFactory::with_timing_model(t),
+        None => ReplayEngineFactory::new(),
+    }
+}
+
+/// Replays `trace` on the cluster `spec` describes, placed by `placer`.
+pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
+    spec_.engine.validate()?;
+    spec_.topology.validate()?;
+    let block_size = spec_.engine.block_size;
+    let start = Instant::now();
+    let driver = trace.into_trace_driver_with_block_size(block_size)?;
+    let input = ReplayRuntimeInput::Workload(driver);
+    let (report, rejected, errors): (ReplayReport, _, _) = match placer {
+        Placer::RoundRobin => {
+            let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
+                .with_runtime_input(input)
+                .run()?;
+            (r, Default::default(), Vec::new())
+        }
+        Placer::Kvroute(router) => {
+            let cfg = router.config();
+            if cfg.block_size != block_size {
+                bail!("the Router's block_size ({}) must be the engines' ({block_size})", cfg.block_size);
+            }
+            if !router.workers().is_empty() {
+                bail!("give the run a fresh Router: this one has workers already (the run registers the cluster's)");
+            }
+            let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
+            let worker = WorkerSpec {
+                prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(spec_.typical_prompt_tokens),
+                kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                ..Default::default()
+            };
+            let shared = Shared::new(router, pd, worker.clone(), worker);
+            let comp = KvrouteComposition { shared: shared.clone() };
+            let r = Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
+                .with_runtime_input(input)
+                .run()?;
+            let mut sh = shared.borrow_mut();
+            (r, std::mem::take(&mut sh.rejected), std::mem::take(&mut sh.event_errors))
+        }
+    };
+    if let Some(first) = errors.first() {
+        bail!("{} KV event batches could not be applied to the Router's index; the first: {first}", errors.len());
+    }
+    let mut records: Vec<RequestRecord> = report
+        .per_request
+        .iter()
+        .map(|r| {
+            let rej = r.uuid.parse::<uuid::Uuid>().ok().is_some_and(|u| rejected.contains(&u));
+            RequestRecord::from_aisim(r, rej)
+        })
+        .collect();
+    records.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+    let summary = Summary::of(&records, spec_.slo);
+    Ok(RunResult { summary, records, wall_s: start.elapsed().as_secs_f64() })
+}
