@@ -59,6 +59,14 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "With no arguments: the seed chapter's experiment (40 and 70 req/s) plus the default policy's row.",
     )
     p.add_argument(
+        "--engine",
+        choices=("seed", "aisim"),
+        default="seed",
+        help="engine model: seed (the seed chapter's prefill-only FIFO + LRU model, exact for its tables; the default) or "
+        "aisim (NVIDIA AISimulate's engines: continuous batching, chunked prefill, decode, one KV pool, preemption; "
+        "recommended for anything else, needs a wheel built with the aisim feature; see docs/simulator.md)",
+    )
+    p.add_argument(
         "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
     )
     p.add_argument("--trace", metavar="PATH", help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
@@ -109,6 +117,11 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--tie-break", choices=("lowest", "rotate"), help="tie-break (default: lowest for seed-chat, as the seed; rotate otherwise)"
     )
     p.add_argument("--router-seed", type=int, default=1, help="seed of the router's random choices (default 1, the seed's Random(1))")
+    p.add_argument("--kv-blocks", type=int, help="aisim: KV pool per engine in blocks (default 16384 of 64 tokens)")
+    p.add_argument("--itl-slo", type=float, help="aisim: mean inter-token latency SLO in seconds (default 0.2, MLPerf Llama-2-70B server)")
+    p.add_argument(
+        "--timing-fit", metavar="FILE.json", help="aisim: your hardware's pass-time fit (PolyFit fields; default AISimulate's built-in)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per run per line instead of tables")
     p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib: kvroute[plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only drawn on a terminal anyway)")
@@ -187,7 +200,89 @@ def cmd_suite(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate_aisim(a: argparse.Namespace) -> int:
+    """``--engine aisim``: the workload on AISimulate's engines, each policy against round robin."""
+    from kvroute import Router
+    from kvroute.sim import synthetic_trace
+    from kvroute.sim.aisim import HAS_AISIM, EngineModel, PolyFit, format_aisim_table, replay
+
+    if not HAS_AISIM:
+        raise SystemExit(
+            "kvroute simulate: --engine aisim needs a kvroute built with the aisim feature: "
+            'MATURIN_PEP517_ARGS="--features aisim" pip install .  (docs/simulator.md)'
+        )
+    if a.suite:
+        raise SystemExit("kvroute simulate: the aisim suite is benches/bench_aisim.py (it races Dynamo's router too)")
+    scenario = a.scenario or ("trace" if a.trace else "synthetic")
+    if scenario == "seed-chat":
+        raise SystemExit("kvroute simulate: seed-chat is the seed engine's workload; with --engine aisim use --trace or --scenario synthetic")
+    if scenario == "trace" and not a.trace:
+        raise SystemExit(f"kvroute simulate: --scenario trace needs --trace PATH (e.g. {TRACE_DEFAULT})")
+    ignored = [
+        f for f, v in (("--cache-blocks", a.cache_blocks), ("--speed", a.speed), ("--event-lag", a.event_lag or None)) if v is not None
+    ]
+    if ignored:
+        raise SystemExit(f"kvroute simulate: {', '.join(ignored)} belong to the seed engine; with --engine aisim see --kv-blocks, --timing-fit")
+    timing: object = "builtin"
+    if a.timing_fit:
+        try:
+            with open(a.timing_fit) as f:
+                timing = PolyFit(**json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            raise SystemExit(f"kvroute simulate: --timing-fit {a.timing_fit}: {e}") from None
+    engine = EngineModel(num_gpu_blocks=a.kv_blocks if a.kv_blocks is not None else 16384, timing=timing)  # type: ignore[arg-type]
+    instances = a.instances if a.instances is not None else 8
+    known = _policies()
+    names = [default_policy_name()] if not a.policy else (known if "all" in a.policy else list(a.policy))
+    bad = [x for x in names if x not in known]
+    if bad:
+        raise SystemExit(f"kvroute simulate: unknown policy {bad[0]!r}; expected one of {', '.join(known)} or all")
+    try:
+        rates = _rates(a.rate)
+        speedups = _rates(a.speedup)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise SystemExit(f"kvroute simulate: {e}") from None
+    if scenario == "synthetic":
+        if a.requests < 1:
+            raise SystemExit(f"kvroute simulate: --requests must be >= 1, got {a.requests}")
+        loads: list[tuple[str, object, float]] = [
+            (f"synthetic-{a.shape} {r:g} req/s", synthetic_trace(a.shape, requests=a.requests, rate=r, seed=a.seed), 1.0) for r in rates or [10.0]
+        ]
+    else:
+        loads = [(f"{os.path.basename(a.trace)} speed-up {s:g}", a.trace, s) for s in speedups or [1.0]]
+    slo = a.slo if a.slo is not None else 2.0
+    itl = a.itl_slo if a.itl_slo is not None else 0.2
+    topo = dict(prefill=instances, decode=a.decode_instances) if a.decode_instances else dict(workers=instances)
+    for title, trace, speedup in loads:
+        results = []
+        for name in [*names, "round_robin"]:
+            router = None
+            if name != "round_robin":
+                router = Router(policy=name, block_size=engine.block_size, ttft_slo=slo, reject=a.reject, seed=a.router_seed, tie_break=a.tie_break or "rotate")
+            try:
+                r = replay(trace, router=router, engine=engine, ttft_slo=slo, itl_slo=itl, speedup=speedup, **topo)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise SystemExit(f"kvroute simulate: {e}") from None
+            results.append(r)
+            if a.json:
+                print(json.dumps({"workload": title, "placement": r.placement, "reject": a.reject, **r.summary, "wall_s": r.wall_s}), flush=True)
+        if not a.json:
+            where = f"{a.decode_instances and f'{instances}P{a.decode_instances}D' or f'{instances} workers'}"
+            print(format_aisim_table(f"== {title}; {where}; TTFT SLO {slo:g} s, ITL SLO {itl * 1000:g} ms", results), flush=True)
+    return 0
+
+
+def default_policy_name() -> str:
+    from kvroute.sim.suite import default_policy
+
+    return default_policy()
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
+    if a.engine == "aisim":
+        return cmd_simulate_aisim(a)
+    if a.kv_blocks is not None or a.itl_slo is not None or a.timing_fit:
+        raise SystemExit("kvroute simulate: --kv-blocks, --itl-slo and --timing-fit go with --engine aisim")
     if a.suite:
         return cmd_suite(a)
     if a.quick or a.split or a.case or a.seeds is not None:

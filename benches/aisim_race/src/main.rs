@@ -78,7 +78,16 @@ fn args() -> Result<Args> {
 }
 
 fn router_config(a: &Args, policy: &str) -> Result<RouterConfig> {
-    let mut cfg = RouterConfig { policy: policy.to_string(), block_size: a.engine.block_size, seed: a.seed, ..Default::default() };
+    let mut cfg = RouterConfig {
+        policy: policy.to_string(),
+        block_size: a.engine.block_size,
+        seed: a.seed,
+        // The cluster's KV transfer, as AISimulate models it (kvroute_aisim::run checks this in PD).
+        kv_bytes_per_token: a.engine.kv_bytes_per_token as f64,
+        link_bytes_per_s: a.engine.kv_transfer_gb_s * 1e9,
+        link_latency_s: 0.0,
+        ..Default::default()
+    };
     if let Some(ms) = a.slo.ttft_ms {
         cfg.ttft_slo = Some(ms / 1_000.0);
     }

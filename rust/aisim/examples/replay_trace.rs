@@ -1,6 +1,9 @@
 //! Replays a Mooncake-format trace on an aggregated AISimulate cluster with one placement:
 //! `cargo run --release -p kvroute-aisim --example replay_trace -- TRACE WORKERS SPEEDUP POLICY`
-//! (POLICY: a kvroute policy name, or round_robin). Prints the run's summary as JSON.
+//! (POLICY: a kvroute policy name, or round_robin). Prints the run's summary as JSON; TTFT SLO 2 s
+//! (the Router's too), ITL SLO 200 ms. KVROUTE_REJECT=0: no early rejection; KVROUTE_DECODE=D: WORKERS
+//! prefill and D decode workers; KVROUTE_RECORDS=FILE:
+//! the per-request records as JSON.
 
 use std::sync::Arc;
 
@@ -14,19 +17,39 @@ fn main() -> anyhow::Result<()> {
     let speedup: f64 = a[3].parse()?;
     let spec = RunSpec {
         engine: EngineModel::default(),
-        topology: Topology::Aggregated { workers },
-        slo: Slo { ttft_ms: Some(2_000.0), itl_ms: Some(50.0) },
+        topology: match std::env::var("KVROUTE_DECODE") {
+            Ok(d) => Topology::Disaggregated { prefill: workers, decode: d.parse()? },
+            Err(_) => Topology::Aggregated { workers },
+        },
+        slo: Slo { ttft_ms: Some(2_000.0), itl_ms: Some(200.0) },
         typical_prompt_tokens: 4096.0,
     };
     let trace = load_trace(std::path::Path::new(&a[1]), speedup)?;
     let placer = if a[4] == "round_robin" {
         Placer::RoundRobin
     } else {
-        let cfg = RouterConfig { policy: a[4].clone(), block_size: spec.engine.block_size, ..Default::default() };
+        let cfg = RouterConfig {
+            policy: a[4].clone(),
+            block_size: spec.engine.block_size,
+            ttft_slo: Some(2.0),
+            link_latency_s: 0.0,
+            ..Default::default()
+        };
         Placer::Kvroute(Arc::new(Router::new(cfg, None)?))
+    };
+    let reject = std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0");
+    let placer = match placer {
+        Placer::Kvroute(r) if !reject => {
+            let cfg = RouterConfig { reject: false, ..r.config().clone() };
+            Placer::Kvroute(Arc::new(Router::new(cfg, None)?))
+        }
+        p => p,
     };
     let r = run(&spec, placer, trace)?;
     println!("{}", serde_json::to_string_pretty(&r.summary)?);
+    if let Ok(path) = std::env::var("KVROUTE_RECORDS") {
+        std::fs::write(path, serde_json::to_string(&r.records)?)?;
+    }
     eprintln!("wall {:.1} s", r.wall_s);
     Ok(())
 }

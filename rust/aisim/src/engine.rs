@@ -136,12 +136,18 @@ pub struct EngineModel {
     pub enable_chunked_prefill: bool,
     pub enable_prefix_caching: bool,
     pub timing: Timing,
+    /// KV bytes per token, for the prefill-to-decode transfer of a disaggregated run.
+    pub kv_bytes_per_token: usize,
+    /// Prefill-to-decode link bandwidth, GB/s (disaggregated runs).
+    pub kv_transfer_gb_s: f64,
 }
 
 impl Default for EngineModel {
     /// AISimulate's vLLM defaults: 64-token blocks, 16,384 of them (1,048,576 tokens of KV),
     /// 256 sequences, an 8,192-token step budget, chunked prefill and prefix caching on, and the
-    /// built-in polynomial timing.
+    /// built-in polynomial timing; PD transfers of a Llama-3-70B-sized KV (80 layers x 8 KV heads
+    /// x 128 dims x K and V x 2 bytes = 327,680 bytes per token) over 200 Gb/s (25 GB/s), the
+    /// Router's own defaults.
     fn default() -> Self {
         EngineModel {
             block_size: 64,
@@ -151,6 +157,8 @@ impl Default for EngineModel {
             enable_chunked_prefill: true,
             enable_prefix_caching: true,
             timing: Timing::Builtin,
+            kv_bytes_per_token: 327_680,
+            kv_transfer_gb_s: 25.0,
         }
     }
 }
@@ -165,6 +173,12 @@ impl EngineModel {
             "engine.max_num_batched_tokens must be >= block_size ({}), got {}",
             self.block_size,
             self.max_num_batched_tokens
+        );
+        ensure!(self.kv_bytes_per_token >= 1, "engine.kv_bytes_per_token must be >= 1, got {}", self.kv_bytes_per_token);
+        ensure!(
+            self.kv_transfer_gb_s.is_finite() && self.kv_transfer_gb_s > 0.0,
+            "engine.kv_transfer_gb_s must be a finite number > 0, got {}",
+            self.kv_transfer_gb_s
         );
         match &self.timing {
             Timing::Builtin => {}
@@ -209,6 +223,8 @@ impl EngineModel {
             enable_prefix_caching: self.enable_prefix_caching,
             emit_kv_events: kv_events,
             emit_kv_token_ids: kv_events,
+            kv_transfer_bytes_per_token: Some(self.kv_bytes_per_token),
+            kv_transfer_bandwidth: Some(self.kv_transfer_gb_s),
             timing_model: match &self.timing {
                 Timing::Fixed { prefill_ms, decode_ms } => TimingModelConfig::Fixed { prefill_ms: *prefill_ms, decode_ms: *decode_ms },
                 _ => TimingModelConfig::Polynomial,

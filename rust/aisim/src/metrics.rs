@@ -33,6 +33,8 @@ pub struct RequestRecord {
     pub decode_worker: Option<usize>,
     /// Prompt tokens the placement expected cached on its worker (the router's overlap).
     pub routed_overlap_tokens: Option<usize>,
+    /// The router's predicted TTFT, ms (kvroute placements).
+    pub predicted_ttft_ms: Option<f64>,
     pub rejected: bool,
 }
 
@@ -54,6 +56,7 @@ impl RequestRecord {
             prefill_worker: first.and_then(|h| h.scheduler_id).or(r.prefill_worker_idx),
             decode_worker: routed(&[ReplayRequestPool::Decode]).and_then(|h| h.scheduler_id).or(r.decode_worker_idx),
             routed_overlap_tokens: first.and_then(|h| h.reported_overlap_tokens),
+            predicted_ttft_ms: None,
             rejected,
         }
     }
@@ -156,6 +159,7 @@ mod tests {
             prefill_worker: Some(0),
             decode_worker: Some(0),
             routed_overlap_tokens: None,
+            predicted_ttft_ms: None,
             rejected,
         }
     }

@@ -76,6 +76,8 @@ pub struct Shared {
     next_id: u64,
     /// Requests the Router rejected (sent to a sink).
     pub rejected: hashbrown::HashSet<Uuid>,
+    /// The Router's predicted TTFT of every request it placed or rejected, seconds.
+    pub predicted_ttft: HashMap<Uuid, f64>,
     /// Scheduler id of each pool's sink, once the pool's workers are known.
     sinks: [Option<usize>; 2],
     /// Worker spec per pool (prefill or unified, decode).
@@ -99,6 +101,7 @@ impl Shared {
             requests: HashMap::new(),
             next_id: 0,
             rejected: Default::default(),
+            predicted_ttft: HashMap::new(),
             sinks: [None, None],
             specs: [prefill, decode],
             pd,
@@ -231,6 +234,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
             output_tokens: Some(out),
             ..Default::default()
         })?;
+        sh.predicted_ttft.insert(uuid, d.predicted_ttft);
         let scheduler = if d.admitted {
             sh.requests.insert(uuid, (rid, d.decode_worker));
             if sh.pd && d.decode_worker.is_none() {

@@ -174,37 +174,53 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
     let start = Instant::now();
     let driver = trace.into_trace_driver_with_block_size(block_size)?;
     let input = ReplayRuntimeInput::Workload(driver);
-    let (report, rejected, errors): (ReplayReport, _, _) = match placer {
-        Placer::RoundRobin => {
-            let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
-                .with_runtime_input(input)
-                .run()?;
-            (r, Default::default(), Vec::new())
-        }
-        Placer::Kvroute(router) => {
-            let cfg = router.config();
-            if cfg.block_size != block_size {
-                bail!("the Router's block_size ({}) must be the engines' ({block_size})", cfg.block_size);
+    let (report, rejected, predicted, errors): (ReplayReport, hashbrown::HashSet<uuid::Uuid>, hashbrown::HashMap<uuid::Uuid, f64>, _) =
+        match placer {
+            Placer::RoundRobin => {
+                let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
+                    .with_runtime_input(input)
+                    .run()?;
+                (r, Default::default(), Default::default(), Vec::new())
             }
-            if !router.workers().is_empty() {
-                bail!("give the run a fresh Router: this one has workers already (the run registers the cluster's)");
+            Placer::Kvroute(router) => {
+                let cfg = router.config();
+                if cfg.block_size != block_size {
+                    bail!("the Router's block_size ({}) must be the engines' ({block_size})", cfg.block_size);
+                }
+                if !router.workers().is_empty() {
+                    bail!("give the run a fresh Router: this one has workers already (the run registers the cluster's)");
+                }
+                let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
+                let link = spec_.engine.kv_transfer_gb_s * 1e9;
+                if pd
+                    && (cfg.kv_bytes_per_token != spec_.engine.kv_bytes_per_token as f64
+                        || cfg.link_bytes_per_s != link
+                        || cfg.link_latency_s != 0.0)
+                {
+                    bail!(
+                    "the Router's KV transfer model (kv_bytes_per_token {}, link_bytes_per_s {}, link_latency_s {}) is not the cluster's \
+                     ({} bytes per token over {link} bytes/s, no latency): build it with those, or its TTFT predictions miss every transfer",
+                    cfg.kv_bytes_per_token,
+                    cfg.link_bytes_per_s,
+                    cfg.link_latency_s,
+                    spec_.engine.kv_bytes_per_token
+                );
+                }
+                let worker = WorkerSpec {
+                    prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(spec_.typical_prompt_tokens),
+                    kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                    prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                    ..Default::default()
+                };
+                let shared = Shared::new(router, pd, worker.clone(), worker);
+                let comp = KvrouteComposition { shared: shared.clone() };
+                let r = Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
+                    .with_runtime_input(input)
+                    .run()?;
+                let mut sh = shared.borrow_mut();
+                (r, std::mem::take(&mut sh.rejected), std::mem::take(&mut sh.predicted_ttft), std::mem::take(&mut sh.event_errors))
             }
-            let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
-            let worker = WorkerSpec {
-                prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(spec_.typical_prompt_tokens),
-                kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                ..Default::default()
-            };
-            let shared = Shared::new(router, pd, worker.clone(), worker);
-            let comp = KvrouteComposition { shared: shared.clone() };
-            let r = Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
-                .with_runtime_input(input)
-                .run()?;
-            let mut sh = shared.borrow_mut();
-            (r, std::mem::take(&mut sh.rejected), std::mem::take(&mut sh.event_errors))
-        }
-    };
+        };
     if let Some(first) = errors.first() {
         bail!("{} KV event batches could not be applied to the Router's index; the first: {first}", errors.len());
     }
@@ -212,8 +228,12 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
         .per_request
         .iter()
         .map(|r| {
-            let rej = r.uuid.parse::<uuid::Uuid>().ok().is_some_and(|u| rejected.contains(&u));
-            RequestRecord::from_aisim(r, rej)
+            let id = r.uuid.parse::<uuid::Uuid>().ok();
+            let rej = id.is_some_and(|u| rejected.contains(&u));
+            RequestRecord {
+                predicted_ttft_ms: id.and_then(|u| predicted.get(&u)).map(|s| s * 1_000.0),
+                ..RequestRecord::from_aisim(r, rej)
+            }
         })
         .collect();
     records.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));

@@ -40,7 +40,9 @@ fn spec(topology: Topology) -> RunSpec {
 }
 
 fn router(policy: &str, ttft_slo: Option<f64>) -> Arc<Router> {
-    Arc::new(Router::new(RouterConfig { policy: policy.into(), block_size: 64, ttft_slo, ..Default::default() }, None).unwrap())
+    let cfg =
+        RouterConfig { policy: policy.into(), block_size: 64, ttft_slo, link_bytes_per_s: 25e9, link_latency_s: 0.0, ..Default::default() };
+    Arc::new(Router::new(cfg, None).unwrap())
 }
 
 #[test]
@@ -104,6 +106,10 @@ fn disaggregated_runs_decode_where_the_router_chose() {
     }
     let rr = run(&s, Placer::RoundRobin, trace_from_rows(rows(3, 6, 50.0, 16), 1.0).unwrap()).unwrap();
     assert_eq!(rr.summary.completed, 18);
+    // A Router that believes in another link would mispredict every transfer: refused.
+    let wrong = Arc::new(Router::new(RouterConfig { block_size: 64, ..Default::default() }, None).unwrap());
+    let e = run(&s, Placer::Kvroute(wrong), trace_from_rows(rows(1, 1, 1.0, 1), 1.0).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("KV transfer model"), "{e}");
 }
 
 #[test]

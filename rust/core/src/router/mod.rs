@@ -701,9 +701,12 @@ impl Router {
                 }
                 continue;
             }
-            if !pd && cfg.reject && !decode::admissible(w, kv_need, cfg) {
+            // Unified: the prefix this worker caches is shared with the request (prefix caching),
+            // so only the rest of the prompt and the output take new KV blocks there.
+            let need_here = kv_need - (st.overlaps[at] as u64).min(kv_need);
+            if !pd && cfg.reject && !decode::admissible(w, need_here, cfg) {
                 decode_filtered += 1;
-                if w.kv_fits(kv_need, cfg.kv_headroom) {
+                if w.kv_fits(need_here, cfg.kv_headroom) {
                     decode_miss_reason = Reason::RejectedTpot;
                 }
                 continue;
@@ -858,7 +861,9 @@ impl Router {
                 dw.active += 1;
             }
             dw.decoding += 1;
-            dw.decode_blocks += kv_need;
+            // Unified: the cached prefix is shared (see the admission test above); PD: the whole KV moves.
+            let kv_blocks = if d_at == p_at { kv_need - (c.overlap_blocks as u64).min(kv_need) } else { kv_need };
+            dw.decode_blocks += kv_blocks;
             st.requests.insert(
                 id,
                 InFlight {
@@ -868,7 +873,7 @@ impl Router {
                     work: c.prefill_time,
                     done_at,
                     shift_at,
-                    kv_blocks: kv_need,
+                    kv_blocks,
                     prefill_pending: true,
                     routed_at: now,
                     pending,

@@ -1,0 +1,128 @@
+"""Renders benchmark results files (benches/results/*.json, written by the benchmarks) into the docs,
+between markers, so no figure is typed by hand:
+
+    <!-- results:aisim_suite -->  ...generated...  <!-- /results -->
+
+    python benches/render_results.py          # rewrite the marked blocks in README.md and docs/*.md
+    python benches/render_results.py --check  # exit 1 if a block is out of date (the docs test runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+BLOCK = re.compile(r"(<!-- results:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+LABELS = {"round_robin": "round robin", "dynamo": "Dynamo KV router"}
+
+
+def _label(raw: str, policy: str) -> str:
+    if raw.startswith("kvroute:"):
+        rest = raw[len("kvroute:") :]
+        return f"kvroute {rest}" + ("" if "no reject" in rest else " + rejection")
+    return LABELS.get(raw, raw)
+
+
+def aisim_suite(res: dict[str, Any]) -> str:
+    """Per case: mean over seeds of goodput, TTFT mean/p99 and ITL p99 for each placement, and the
+    verdict of kvroute's default against Dynamo (goodput with rejection, TTFT p99 without)."""
+    by: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    order: list[tuple[str, str]] = []
+    for r in res["rows"]:
+        key = (r["split"], r["case"])
+        if key not in by:
+            order.append(key)
+        by[key][r["label"]].append(r["summary"])
+    policy = res["default_policy"]
+    slo = res["slo"]
+    out = [
+        f"Goodput: share of requests with TTFT <= {slo['ttft_ms'] / 1000:g} s and mean ITL <= {slo['itl_ms']:g} ms "
+        f"(rejected requests count as missed); mean over {res['seeds']} seed(s). TTFT in seconds. "
+        f"kvroute's default policy is `{policy}`.",
+        "",
+        "| split | case | placement | goodput | TTFT mean | TTFT p99 | ITL p99 ms | prefix hits | rejected |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for split in ("tuning", "held-out"):
+        for key in [k for k in order if k[0] == split]:
+            for label, sums in by[key].items():
+
+                def m(f: str, scale: float = 1.0, sums: list[dict[str, Any]] = sums) -> str:
+                    vals = [s[f] for s in sums if s.get(f) is not None]
+                    return "-" if not vals else f"{sum(vals) / len(vals) * scale:.2f}"
+
+                g, se = _mean_se([s["goodput_share"] * 100 for s in sums])
+                out.append(
+                    f"| {split} | {key[1]} | {_label(label, policy)} | {g:.1f}% ± {se:.1f} | {m('ttft_mean_ms', 1e-3)} | "
+                    f"{m('ttft_p99_ms', 1e-3)} | {m('itl_p99_ms')} | {m('prefix_hit_rate', 100)}% | {m('rejected_share', 100)}% |"
+                )
+    out += ["", f"`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}."]
+    return "\n".join(out) + "\n"
+
+
+RENDERERS = {"aisim_suite": aisim_suite}
+
+
+def render_all() -> dict[str, str]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        with open(path) as f:
+            res = json.load(f)
+        name = res.get("benchmark")
+        if name in RENDERERS:
+            out[name] = RENDERERS[name](res)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only check that the docs' blocks are current")
+    a = ap.parse_args(argv)
+    blocks = render_all()
+    stale = []
+    for doc in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(doc) as f:
+            text = f.read()
+
+        def sub(mt: re.Match[str]) -> str:
+            body = blocks.get(mt["name"])
+            if body is None:
+                raise SystemExit(f"{doc}: no results file renders {mt['name']!r}")
+            return mt.group(1) + body + mt.group(4)
+
+        new = BLOCK.sub(sub, text)
+        if new != text:
+            stale.append(os.path.relpath(doc, ROOT))
+            if not a.check:
+                with open(doc, "w") as f:
+                    f.write(new)
+    if a.check and stale:
+        print(f"out of date (run python benches/render_results.py): {', '.join(stale)}")
+        return 1
+    if not a.check:
+        print(f"rendered {len(blocks)} result set(s); updated {', '.join(stale) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

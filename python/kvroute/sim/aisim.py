@@ -1,0 +1,160 @@
+"""The realistic engine model: NVIDIA AISimulate's engines (continuous batching with chunked prefill,
+decode steps sharing the GPU with prefills, one KV pool for running requests and the prefix cache,
+preemption, a GPU timing model), with kvroute's `Router` as the placement policy, fed by the
+simulated engines' KV events through its index.
+
+Needs a wheel built with the ``aisim`` feature (``HAS_AISIM``); see docs/simulator.md.
+
+>>> from kvroute import Router
+>>> from kvroute.sim.aisim import replay, HAS_AISIM
+>>> if HAS_AISIM:
+...     trace = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [0, 1]}]
+...     r = replay(trace, router=Router(policy="capacity"), workers=2)
+...     assert r.summary["completed"] == 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from kvroute import _core
+from kvroute._core import Router
+
+__all__ = ["BUILTIN_FIT", "HAS_AISIM", "AisimResult", "EngineModel", "PolyFit", "format_aisim_table", "replay"]
+
+#: Whether this build of kvroute carries the realistic engine model.
+HAS_AISIM: bool = bool(getattr(_core, "HAS_AISIM", False))
+
+
+@dataclass(frozen=True)
+class PolyFit:
+    """Pass times of one engine, ms: prefill of ``t`` new tokens in a step ``prefill_a t^2 +
+    prefill_b t + prefill_c``; a decode step ``max(decode_min_ms, decode_a u^2 + decode_b u +
+    decode_c)`` with ``u`` the share of the KV pool held by running requests. Fit it to your
+    hardware from a few measured prefill and decode steps (docs/simulator.md)."""
+
+    prefill_a: float
+    prefill_b: float
+    prefill_c: float
+    decode_a: float
+    decode_b: float
+    decode_c: float
+    decode_min_ms: float = 1.0
+
+
+#: AISimulate 0.13's built-in polynomial (the default timing), written out.
+BUILTIN_FIT = PolyFit(4.209989e-07, 1.518344e-02, 1.650142e01, -25.74, 54.01, 5.74, 1.0)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """One simulated vLLM-style engine; every worker of a cluster is alike.
+
+    ``timing``: "builtin" (AISimulate's polynomial), a `PolyFit`, or ``("fixed", prefill_ms,
+    decode_ms)``.
+    """
+
+    block_size: int = 64
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    timing: Literal["builtin"] | PolyFit | tuple[str, float, float] = "builtin"
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        t = self.timing
+        if t == "builtin":
+            d["timing"] = {"kind": "builtin"}
+        elif isinstance(t, PolyFit):
+            d["timing"] = {"kind": "polynomial", **asdict(t)}
+        elif isinstance(t, tuple) and len(t) == 3 and t[0] == "fixed":
+            d["timing"] = {"kind": "fixed", "prefill_ms": float(t[1]), "decode_ms": float(t[2])}
+        else:
+            raise ValueError(f"timing must be 'builtin', a PolyFit or ('fixed', prefill_ms, decode_ms), got {t!r}")
+        return d
+
+
+@dataclass
+class AisimResult:
+    """One replay: ``summary`` (requests, completed, rejected, TTFT/ITL percentiles in ms,
+    goodput, throughput, prefix hit rate, preemptions) and per-request ``records``."""
+
+    placement: str
+    summary: dict[str, Any]
+    records: list[dict[str, Any]] = field(repr=False)
+    wall_s: float
+
+
+def replay(
+    trace: str | os.PathLike[str] | Iterable[dict[str, Any]],
+    *,
+    router: Router | None,
+    workers: int = 8,
+    prefill: int = 0,
+    decode: int = 0,
+    engine: EngineModel | None = None,
+    ttft_slo: float | None = 2.0,
+    itl_slo: float | None = 0.2,
+    speedup: float = 1.0,
+) -> AisimResult:
+    """Replays a Mooncake-format ``trace`` (a path, or its rows) on ``workers`` unified engines (or
+    ``prefill`` + ``decode`` disaggregated ones), placed by ``router`` (a fresh `Router`, which the
+    run registers the workers with) or by round robin when ``router`` is None. SLOs in seconds."""
+    if not HAS_AISIM:
+        raise RuntimeError(
+            "this kvroute build has no realistic engine model; rebuild with the aisim feature: "
+            'MATURIN_PEP517_ARGS="--features aisim" pip install .  (docs/simulator.md)'
+        )
+    engine = engine or EngineModel()
+    if prefill or decode:
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"a disaggregated cluster needs prefill >= 1 and decode >= 1, got {prefill}P{decode}D")
+        topology: dict[str, Any] = {"kind": "disaggregated", "prefill": prefill, "decode": decode}
+    else:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        topology = {"kind": "aggregated", "workers": workers}
+    for name, v in (("ttft_slo", ttft_slo), ("itl_slo", itl_slo)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{name} must be > 0 seconds or None, got {v}")
+    spec = {
+        "engine": engine.to_json(),
+        "topology": topology,
+        "slo": {"ttft_ms": None if ttft_slo is None else ttft_slo * 1000, "itl_ms": None if itl_slo is None else itl_slo * 1000},
+    }
+    kw: dict[str, Any] = {"router": router, "speedup": float(speedup)}
+    if isinstance(trace, (str, os.PathLike)):
+        kw["trace_path"] = os.fspath(trace)
+    else:
+        kw["trace_jsonl"] = "\n".join(json.dumps(r) for r in trace)
+    out = json.loads(_core.aisim_replay(json.dumps(spec), **kw))
+    return AisimResult(
+        placement="round_robin" if router is None else router.policy,
+        summary=out["summary"],
+        records=out["records"],
+        wall_s=out["wall_s"],
+    )
+
+
+def format_aisim_table(title: str, results: list[AisimResult]) -> str:
+    """One row per placement: TTFT (s), ITL (ms), goodput, prefix hits, preemptions, rejections."""
+
+    def f(v: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v * scale, fmt)
+
+    head = f"{'placement':<14}{'TTFT mean':>10}{'p50':>8}{'p99':>8}{'ITL p50':>9}{'p99':>7}{'goodput':>9}{'hits':>7}{'preempt':>9}{'rejected':>10}"
+    lines = [title, head, "-" * len(head)]
+    for r in results:
+        s = r.summary
+        lines.append(
+            f"{r.placement:<14}{f(s['ttft_mean_ms'], 1e-3):>10}{f(s['ttft_p50_ms'], 1e-3):>8}{f(s['ttft_p99_ms'], 1e-3):>8}"
+            f"{f(s['itl_p50_ms'], 1, '.1f'):>9}{f(s['itl_p99_ms'], 1, '.1f'):>7}{s['goodput_share'] * 100:>8.1f}%"
+            f"{s['prefix_hit_rate'] * 100:>6.1f}%{s['preemptions']:>9}{s['rejected_share'] * 100:>9.1f}%"
+        )
+    return "\n".join(lines)
