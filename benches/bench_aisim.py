@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.time() - t0:6.0f}s] {case.name} seed {seed}: goodput {brief}", flush=True)
     result = {
         "benchmark": "aisim_suite",
-        "command": "python " + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
+        "command": "python "
+        + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "commit": git_commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(doc) as f:
             text = f.read()
 
-        def sub(mt: re.Match[str]) -> str:
+        def sub(mt: re.Match[str], doc: str = doc) -> str:
             body = blocks.get(mt["name"])
             if body is None:
                 raise SystemExit(f"{doc}: no results file renders {mt['name']!r}")

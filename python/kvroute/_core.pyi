@@ -9,6 +9,8 @@ import numpy.typing as npt
 
 __version__: str
 NUM_SHARDS: int
+#: Whether this build carries the realistic engine model (the ``aisim`` cargo feature).
+HAS_AISIM: bool
 
 Tier = Literal["device", "host", "disk"]
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
@@ -413,3 +415,8 @@ class ExactPrompter:
 def approx_prompt(body: bytes, chat: bool, block_size: int = 64, *, seed: int = 1337) -> tuple[npt.NDArray[np.uint64], int, int | None]:
     """The data plane's approximate prompt of a raw request body (hashes, num_tokens, output_tokens);
     ValueError with the client's 400 message for an invalid body."""
+
+def aisim_replay(
+    spec_json: str, *, router: Router | None = None, trace_path: str | None = None, trace_jsonl: str | None = None, speedup: float = 1.0
+) -> str:
+    """Builds with the ``aisim`` feature only: one replay on AISimulate's engines (see kvroute.sim.aisim)."""

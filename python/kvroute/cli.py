@@ -202,9 +202,8 @@ def cmd_suite(a: argparse.Namespace) -> int:
 
 def cmd_simulate_aisim(a: argparse.Namespace) -> int:
     """``--engine aisim``: the workload on AISimulate's engines, each policy against round robin."""
-    from kvroute import Router
     from kvroute.sim import synthetic_trace
-    from kvroute.sim.aisim import HAS_AISIM, EngineModel, PolyFit, format_aisim_table, replay
+    from kvroute.sim.aisim import HAS_AISIM, EngineModel, PolyFit, format_aisim_table, replay, router_for
 
     if not HAS_AISIM:
         raise SystemExit(
@@ -215,14 +214,18 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
         raise SystemExit("kvroute simulate: the aisim suite is benches/bench_aisim.py (it races Dynamo's router too)")
     scenario = a.scenario or ("trace" if a.trace else "synthetic")
     if scenario == "seed-chat":
-        raise SystemExit("kvroute simulate: seed-chat is the seed engine's workload; with --engine aisim use --trace or --scenario synthetic")
+        raise SystemExit(
+            "kvroute simulate: seed-chat is the seed engine's workload; with --engine aisim use --trace or --scenario synthetic"
+        )
     if scenario == "trace" and not a.trace:
         raise SystemExit(f"kvroute simulate: --scenario trace needs --trace PATH (e.g. {TRACE_DEFAULT})")
     ignored = [
         f for f, v in (("--cache-blocks", a.cache_blocks), ("--speed", a.speed), ("--event-lag", a.event_lag or None)) if v is not None
     ]
     if ignored:
-        raise SystemExit(f"kvroute simulate: {', '.join(ignored)} belong to the seed engine; with --engine aisim see --kv-blocks, --timing-fit")
+        raise SystemExit(
+            f"kvroute simulate: {', '.join(ignored)} belong to the seed engine; with --engine aisim see --kv-blocks, --timing-fit"
+        )
     timing: object = "builtin"
     if a.timing_fit:
         try:
@@ -246,7 +249,8 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
         if a.requests < 1:
             raise SystemExit(f"kvroute simulate: --requests must be >= 1, got {a.requests}")
         loads: list[tuple[str, object, float]] = [
-            (f"synthetic-{a.shape} {r:g} req/s", synthetic_trace(a.shape, requests=a.requests, rate=r, seed=a.seed), 1.0) for r in rates or [10.0]
+            (f"synthetic-{a.shape} {r:g} req/s", synthetic_trace(a.shape, requests=a.requests, rate=r, seed=a.seed), 1.0)
+            for r in rates or [10.0]
         ]
     else:
         loads = [(f"{os.path.basename(a.trace)} speed-up {s:g}", a.trace, s) for s in speedups or [1.0]]
@@ -258,16 +262,21 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
         for name in [*names, "round_robin"]:
             router = None
             if name != "round_robin":
-                router = Router(policy=name, block_size=engine.block_size, ttft_slo=slo, reject=a.reject, seed=a.router_seed, tie_break=a.tie_break or "rotate")
+                router = router_for(
+                    engine, policy=name, ttft_slo=slo, reject=a.reject, seed=a.router_seed, tie_break=a.tie_break or "rotate"
+                )
             try:
                 r = replay(trace, router=router, engine=engine, ttft_slo=slo, itl_slo=itl, speedup=speedup, **topo)  # type: ignore[arg-type]
             except ValueError as e:
                 raise SystemExit(f"kvroute simulate: {e}") from None
             results.append(r)
             if a.json:
-                print(json.dumps({"workload": title, "placement": r.placement, "reject": a.reject, **r.summary, "wall_s": r.wall_s}), flush=True)
+                print(
+                    json.dumps({"workload": title, "placement": r.placement, "reject": a.reject, **r.summary, "wall_s": r.wall_s}),
+                    flush=True,
+                )
         if not a.json:
-            where = f"{a.decode_instances and f'{instances}P{a.decode_instances}D' or f'{instances} workers'}"
+            where = f"{(a.decode_instances and f'{instances}P{a.decode_instances}D') or f'{instances} workers'}"
             print(format_aisim_table(f"== {title}; {where}; TTFT SLO {slo:g} s, ITL SLO {itl * 1000:g} ms", results), flush=True)
     return 0
 

@@ -5,11 +5,10 @@ simulated engines' KV events through its index.
 
 Needs a wheel built with the ``aisim`` feature (``HAS_AISIM``); see docs/simulator.md.
 
->>> from kvroute import Router
->>> from kvroute.sim.aisim import replay, HAS_AISIM
+>>> from kvroute.sim.aisim import EngineModel, HAS_AISIM, replay, router_for
 >>> if HAS_AISIM:
 ...     trace = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [0, 1]}]
-...     r = replay(trace, router=Router(policy="capacity"), workers=2)
+...     r = replay(trace, router=router_for(EngineModel(), policy="capacity"), workers=2)
 ...     assert r.summary["completed"] == 1
 """
 
@@ -24,7 +23,7 @@ from typing import Any, Literal
 from kvroute import _core
 from kvroute._core import Router
 
-__all__ = ["BUILTIN_FIT", "HAS_AISIM", "AisimResult", "EngineModel", "PolyFit", "format_aisim_table", "replay"]
+__all__ = ["BUILTIN_FIT", "HAS_AISIM", "AisimResult", "EngineModel", "PolyFit", "format_aisim_table", "replay", "router_for"]
 
 #: Whether this build of kvroute carries the realistic engine model.
 HAS_AISIM: bool = bool(getattr(_core, "HAS_AISIM", False))
@@ -65,6 +64,10 @@ class EngineModel:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     timing: Literal["builtin"] | PolyFit | tuple[str, float, float] = "builtin"
+    #: Disaggregated runs: KV bytes per token moved prefill -> decode (Llama-3-70B: 327,680) ...
+    kv_bytes_per_token: int = 327_680
+    #: ... over this link, GB/s (200 Gb/s RDMA).
+    kv_transfer_gb_s: float = 25.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -89,6 +92,23 @@ class AisimResult:
     summary: dict[str, Any]
     records: list[dict[str, Any]] = field(repr=False)
     wall_s: float
+
+
+def router_for(engine: EngineModel, *, policy: str | None = None, ttft_slo: float | None = 2.0, **options: Any) -> Router:
+    """A fresh `Router` that sees the cluster as the engine model builds it: the engines' block
+    size and (for disaggregated runs) their KV transfer, plus ``policy``, ``ttft_slo`` (seconds)
+    and any other `Router` option."""
+    kw: dict[str, Any] = dict(
+        block_size=engine.block_size,
+        kv_bytes_per_token=float(engine.kv_bytes_per_token),
+        link_bytes_per_s=engine.kv_transfer_gb_s * 1e9,
+        link_latency_s=0.0,
+        ttft_slo=ttft_slo,
+    )
+    if policy is not None:
+        kw["policy"] = policy
+    kw.update(options)
+    return Router(**kw)
 
 
 def replay(

@@ -1,0 +1,118 @@
+"""The realistic engine model (kvroute.sim.aisim, NVIDIA AISimulate's engines) from Python and the CLI.
+
+These run on a wheel built with the aisim feature; on a default build they check that asking for
+it says how to get it. CI builds both (KVROUTE_REQUIRE_AISIM=1 makes a missing feature a failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from kvroute import KvrouteError
+from kvroute.cli import main
+from kvroute.sim import synthetic_trace
+from kvroute.sim.aisim import HAS_AISIM, EngineModel, PolyFit, replay, router_for
+from kvroute.sim.trace import find_shared_dir
+
+needs_aisim = pytest.mark.skipif(
+    not HAS_AISIM and not os.environ.get("KVROUTE_REQUIRE_AISIM"), reason="kvroute built without the aisim feature"
+)
+
+
+def small_trace(rate: float = 4.0, requests: int = 300) -> list[dict[str, object]]:
+    return synthetic_trace("agent", requests=requests, rate=rate, seed=3)
+
+
+@pytest.mark.skipif(HAS_AISIM, reason="this build has the aisim feature")
+def test_without_the_feature_replay_and_cli_say_how_to_get_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError, match="--features aisim"):
+        replay(small_trace(), router=None)
+    with pytest.raises(SystemExit, match="--features aisim"):
+        main(["simulate", "--engine", "aisim", "--scenario", "synthetic"])
+
+
+@needs_aisim
+def test_kvroute_routes_agent_sessions_onto_their_caches_better_than_round_robin() -> None:
+    trace = small_trace()
+    kv = replay(trace, router=router_for(EngineModel(), policy="capacity"), workers=4)
+    rr = replay(trace, router=None, workers=4)
+    for r in (kv, rr):
+        assert r.summary["requests"] == len(trace)
+        assert r.summary["completed"] == len(trace)
+        assert len(r.records) == len(trace)
+    assert kv.placement == "capacity" and rr.placement == "round_robin"
+    # Agent sessions reuse long tool prefixes and their own context: kvroute keeps them where they are cached.
+    assert kv.summary["prefix_hit_rate"] > rr.summary["prefix_hit_rate"] + 0.1
+    # Every placement's expected overlap is what the engine found cached, or less (evicted since).
+    for rec in kv.records:
+        assert rec["routed_overlap_tokens"] is not None and rec["predicted_ttft_ms"] is not None
+
+
+@needs_aisim
+def test_disaggregated_and_custom_timing_runs() -> None:
+    fit = PolyFit(0.0, 0.02, 10.0, 0.0, 20.0, 5.0)
+    eng = EngineModel(num_gpu_blocks=4096, timing=fit)
+    r = replay(small_trace(requests=120), router=router_for(eng), prefill=2, decode=2, engine=eng)
+    assert r.summary["completed"] + r.summary["rejected"] == 120
+    assert {rec["decode_worker"] for rec in r.records if not rec["rejected"]} <= {0, 1}
+    fixed = EngineModel(timing=("fixed", 30.0, 10.0))
+    r = replay(small_trace(requests=60), router=None, workers=2, engine=fixed)
+    assert r.summary["completed"] == 60
+
+
+@needs_aisim
+def test_bad_input_is_refused_with_what_was_wrong(tmp_path: os.PathLike[str]) -> None:
+    trace = small_trace(requests=10)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        replay(trace, router=None, engine=EngineModel(num_gpu_blocks=0))
+    with pytest.raises(ValueError, match="workers"):
+        replay(trace, router=None, workers=0)
+    with pytest.raises(ValueError, match="prefill >= 1"):
+        replay(trace, router=None, prefill=2, decode=0)
+    with pytest.raises(ValueError, match="trace line 1"):
+        replay([{"timestamp": "soon"}], router=None)
+    with pytest.raises(ValueError, match="no-such"):
+        replay(os.path.join(str(tmp_path), "no-such.jsonl"), router=None)
+    with pytest.raises(ValueError, match="timing"):
+        EngineModel(timing="fast").to_json()  # type: ignore[arg-type]
+    used = router_for(EngineModel())
+    used.add_worker(0)
+    with pytest.raises(KvrouteError, match="fresh Router"):
+        replay(trace, router=used)
+    # A Router that believes in another KV link than the cluster's would mispredict every PD transfer.
+    from kvroute import Router
+
+    with pytest.raises(KvrouteError, match="KV transfer model"):
+        replay(trace, router=Router(block_size=64), prefill=1, decode=1)
+
+
+@needs_aisim
+def test_cli_engine_aisim_prints_each_policy_against_round_robin(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--engine", "aisim", "--scenario", "synthetic", "--shape", "agent", "--requests", "150"]
+    assert main([*argv, "--rate", "3", "--instances", "2", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["placement"] for r in rows] == ["capacity", "round_robin"]
+    assert all(r["requests"] == 150 for r in rows)
+    assert main([*argv, "--rate", "3", "--instances", "2", "--decode-instances", "2", "--policy", "cache_aware"]) == 0
+    out = capsys.readouterr().out
+    assert "2P2D" in out and "cache_aware" in out and "round_robin" in out
+    with pytest.raises(SystemExit, match="seed engine"):
+        main(["simulate", "--engine", "aisim", "--scenario", "synthetic", "--cache-blocks", "10"])
+    with pytest.raises(SystemExit, match="seed-chat"):
+        main(["simulate", "--engine", "aisim", "--scenario", "seed-chat"])
+    with pytest.raises(SystemExit, match="go with --engine aisim"):
+        main(["simulate", "--kv-blocks", "10"])
+
+
+@needs_aisim
+def test_the_mooncake_conversation_trace_replays_whole() -> None:
+    shared = find_shared_dir(os.path.dirname(__file__))
+    path = os.path.join(shared, "traces", "mooncake_conversation_trace.jsonl") if shared else ""
+    if not os.path.exists(path):
+        pytest.skip("no ../shared/traces (a user's clone has none)")
+    r = replay(path, router=router_for(EngineModel()), workers=16, speedup=4.0)
+    assert r.summary["requests"] == 12031
+    assert r.summary["completed"] + r.summary["rejected"] == 12031
+    assert r.summary["prefix_hit_rate"] > 0.2
