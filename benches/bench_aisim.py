@@ -72,7 +72,7 @@ def cases(quick: bool) -> list[Case]:
     for k in (3, 6, 9):
         out.append(Case("conversation", (4, 12), k * 4 / 8, "held-out"))
     # Generated: rates per 8 workers from comfortable to overloaded.
-    for trace, rates, split in (("agent", (4, 8, 12), "tuning"), ("long", (6, 12, 18), "held-out")):
+    for trace, rates, split in (("agent", (4, 8, 12), "tuning"), ("long", (12, 24, 36), "held-out")):
         for workers in (8, 16, 32):
             for r in rates:
                 out.append(Case(trace, (workers, 0), r * workers / 8, split))

@@ -86,6 +86,7 @@ fn router_config(a: &Args, policy: &str) -> Result<RouterConfig> {
         kv_bytes_per_token: a.engine.kv_bytes_per_token as f64,
         link_bytes_per_s: a.engine.kv_transfer_gb_s * 1e9,
         link_latency_s: 0.0,
+        decode_step_s: a.engine.decode_step_s(),
         ..Default::default()
     };
     if let Some(ms) = a.slo.ttft_ms {
@@ -170,7 +171,7 @@ fn dynamo(a: &Args, mode: ReplayRouterMode) -> Result<Vec<RequestRecord>> {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let spec = RunSpec { engine: a.engine.clone(), topology: a.topology, slo: a.slo, typical_prompt_tokens: 4096.0 };
+    let spec = RunSpec::new(a.engine.clone(), a.topology, a.slo);
     for name in &a.placements {
         let start = Instant::now();
         let records = match name.as_str() {

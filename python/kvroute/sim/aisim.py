@@ -96,10 +96,15 @@ class AisimResult:
 
 def router_for(engine: EngineModel, *, policy: str | None = None, ttft_slo: float | None = 2.0, **options: Any) -> Router:
     """A fresh `Router` that sees the cluster as the engine model builds it: the engines' block
-    size and (for disaggregated runs) their KV transfer, plus ``policy``, ``ttft_slo`` (seconds)
-    and any other `Router` option."""
+    size, decode step and (for disaggregated runs) KV transfer, plus ``policy``, ``ttft_slo``
+    (seconds) and any other `Router` option."""
+    t = engine.timing
+    decode_ms = t.decode_c if isinstance(t, PolyFit) else (float(t[2]) if isinstance(t, tuple) else BUILTIN_FIT.decode_c)
+    if isinstance(t, PolyFit):
+        decode_ms = max(decode_ms, t.decode_min_ms)
     kw: dict[str, Any] = dict(
         block_size=engine.block_size,
+        decode_step_s=decode_ms / 1000.0,
         kv_bytes_per_token=float(engine.kv_bytes_per_token),
         link_bytes_per_s=engine.kv_transfer_gb_s * 1e9,
         link_latency_s=0.0,

@@ -2,7 +2,7 @@
 //! `cargo run --release -p kvroute-aisim --example replay_trace -- TRACE WORKERS SPEEDUP POLICY`
 //! (POLICY: a kvroute policy name, or round_robin). Prints the run's summary as JSON; TTFT SLO 2 s
 //! (the Router's too), ITL SLO 200 ms. KVROUTE_REJECT=0: no early rejection; KVROUTE_DECODE=D: WORKERS
-//! prefill and D decode workers; KVROUTE_RECORDS=FILE:
+//! prefill and D decode workers; KVROUTE_POLL_MS=off: no load polling; KVROUTE_RECORDS=FILE:
 //! the per-request records as JSON.
 
 use std::sync::Arc;
@@ -23,6 +23,7 @@ fn main() -> anyhow::Result<()> {
         },
         slo: Slo { ttft_ms: Some(2_000.0), itl_ms: Some(200.0) },
         typical_prompt_tokens: 4096.0,
+        metrics_interval_ms: std::env::var("KVROUTE_POLL_MS").map_or(Some(1_000.0), |v| v.parse().ok()),
     };
     let trace = load_trace(std::path::Path::new(&a[1]), speedup)?;
     let placer = if a[4] == "round_robin" {

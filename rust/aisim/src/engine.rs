@@ -211,6 +211,26 @@ impl EngineModel {
         }
     }
 
+    /// Decode step time at batch 0, seconds: the Router's `decode_step_s` for these engines.
+    pub fn decode_step_s(&self) -> f64 {
+        match &self.timing {
+            Timing::Fixed { decode_ms, .. } => decode_ms / 1_000.0,
+            _ => self.fit().expect("polynomial").decode_ms(0.0) / 1_000.0,
+        }
+    }
+
+    /// The Router's decode speed for these engines, tokens per second, at a typical context of
+    /// `typical_context` tokens per running request: the fit's decode step grows with the share
+    /// `u` of the KV pool that running requests hold, about `decode_b * u` ms (its linear term),
+    /// and `batch` such requests hold `u = batch * typical_context / pool tokens`, so one more
+    /// request adds `decode_b * typical_context / pool_tokens` ms: the Router's `1 / decode_tokens_per_s`.
+    /// None for fixed timing (a step does not grow with the batch).
+    pub fn decode_tokens_per_s(&self, typical_context: f64) -> Option<f64> {
+        let fit = self.fit()?;
+        let pool = (self.num_gpu_blocks * self.block_size) as f64;
+        (fit.decode_b > 0.0).then(|| pool / (fit.decode_b / 1_000.0 * typical_context.max(1.0)))
+    }
+
     /// AISimulate's engine configuration; with `kv_events`, KV events and their token ids are on
     /// (the Router's index is fed from them).
     pub fn to_aisim(&self, kv_events: bool) -> EngineConfig {

@@ -13,14 +13,15 @@ use aisimulate_core::replay::{
     ReplayComposition, ReplayEngineConfig, ReplayEngineFactory, ReplayReport, ReplayRoleConfig, ReplayRuntimeInput, ReplaySpec,
     ReplayTopology, Replayer, WorkerPoolSpec, WorkerTopology, CURRENT_REPLAY_SPEC_VERSION,
 };
+use aisimulate_core::replay::{ReplaySchedulerMetricsSnapshot, ReplayTelemetryObserver, ReplayTelemetrySnapshot};
 use anyhow::{bail, ensure, Context, Result};
-use kvroute_core::router::WorkerSpec;
-use kvroute_core::Router;
+use kvroute_core::router::{Observed, WorkerSpec};
+use kvroute_core::{Router, RouterError, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineModel;
 use crate::metrics::{RequestRecord, Slo, Summary};
-use crate::placement::{KvEventObservation, KvroutePlacement, Shared};
+use crate::placement::{KvEventObservation, KvroutePlacement, Shared, DECODE_BASE};
 
 /// Tokens per `hash_ids` entry in Mooncake-format traces.
 pub const TRACE_BLOCK_SIZE: usize = 512;
@@ -63,13 +64,61 @@ pub struct RunSpec {
     pub topology: Topology,
     #[serde(default)]
     pub slo: Slo,
-    /// Typical prompt length, tokens: where the Router's prefill speed is read off the timing fit.
+    /// Typical prompt length, tokens: where the Router's prefill speed is read off the timing fit,
+    /// and the context its decode speed assumes (`EngineModel::decode_tokens_per_s`).
     #[serde(default = "typical")]
     pub typical_prompt_tokens: f64,
+    /// How often the engines' load (waiting and running requests, KV usage) reaches the Router,
+    /// ms of simulated time: what a gateway's /metrics poller does. None: never.
+    #[serde(default = "metrics_interval")]
+    pub metrics_interval_ms: Option<f64>,
+}
+
+fn metrics_interval() -> Option<f64> {
+    Some(1_000.0)
+}
+
+/// The engines' load, as a /metrics poller would read it, into `Router::observe`.
+struct LoadPoller {
+    router: Arc<Router>,
+    pd: bool,
+}
+
+impl ReplayTelemetryObserver for LoadPoller {
+    fn on_sample(&mut self, snap: ReplayTelemetrySnapshot) -> Result<()> {
+        let now = Some(snap.sampled_at_ms / 1_000.0);
+        // Aggregated replays report their one pool in the decode rows.
+        let pools: [(&[ReplaySchedulerMetricsSnapshot], WorkerId); 2] = if self.pd {
+            [(&snap.prefill_scheduler_metrics, 0), (&snap.decode_scheduler_metrics, DECODE_BASE)]
+        } else {
+            [(&snap.decode_scheduler_metrics, 0), (&[], 0)]
+        };
+        for (rows, base) in pools {
+            for m in rows {
+                let seen = Observed {
+                    waiting: Some(m.waiting_requests.min(u32::MAX as u64) as u32),
+                    running: Some(m.running_requests.min(u32::MAX as u64) as u32),
+                    kv_usage: Some(m.active_cache_usage.clamp(0.0, 1.0)),
+                };
+                match self.router.observe(base + m.worker_id as WorkerId, seen, None, now) {
+                    Ok(()) | Err(RouterError::UnknownWorker(_)) => {} // the sink is no worker of the Router's
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn typical() -> f64 {
     4096.0
+}
+
+impl RunSpec {
+    /// A spec with the defaults for everything but the engines, topology and SLOs.
+    pub fn new(engine: EngineModel, topology: Topology, slo: Slo) -> Self {
+        RunSpec { engine, topology, slo, typical_prompt_tokens: typical(), metrics_interval_ms: metrics_interval() }
+    }
 }
 
 /// What one run produced.
@@ -210,13 +259,18 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                     prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(spec_.typical_prompt_tokens),
                     kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
                     prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                    decode_tokens_per_s: spec_.engine.decode_tokens_per_s(spec_.typical_prompt_tokens),
                     ..Default::default()
                 };
-                let shared = Shared::new(router, pd, worker.clone(), worker);
+                let shared = Shared::new(router.clone(), pd, worker.clone(), worker);
                 let comp = KvrouteComposition { shared: shared.clone() };
-                let r = Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
-                    .with_runtime_input(input)
-                    .run()?;
+                let mut replayer =
+                    Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
+                        .with_runtime_input(input);
+                if let Some(ms) = spec_.metrics_interval_ms {
+                    replayer = replayer.with_telemetry_observer(ms, Box::new(LoadPoller { router, pd }))?;
+                }
+                let r = replayer.run()?;
                 let mut sh = shared.borrow_mut();
                 (r, std::mem::take(&mut sh.rejected), std::mem::take(&mut sh.predicted_ttft), std::mem::take(&mut sh.event_errors))
             }

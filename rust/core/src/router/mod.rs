@@ -690,6 +690,9 @@ impl Router {
         st.cands.clear();
         let mut decode_filtered = 0usize;
         let mut decode_miss_reason = Reason::RejectedDecode;
+        // Unified mode without rejection: workers without KV room (or over the TPOT SLO) are
+        // chosen only when no worker has room; they wait here.
+        let mut spill: Vec<Candidate> = Vec::new();
         for at in 0..st.workers.len() {
             if pinned.is_some_and(|p| p != at) {
                 continue;
@@ -704,7 +707,8 @@ impl Router {
             // Unified: the prefix this worker caches is shared with the request (prefix caching),
             // so only the rest of the prompt and the output take new KV blocks there.
             let need_here = kv_need - (st.overlaps[at] as u64).min(kv_need);
-            if !pd && cfg.reject && !decode::admissible(w, need_here, cfg) {
+            let unfit = !pd && !decode::admissible(w, need_here, cfg);
+            if unfit && cfg.reject {
                 decode_filtered += 1;
                 if w.kv_fits(need_here, cfg.kv_headroom) {
                     decode_miss_reason = Reason::RejectedTpot;
@@ -719,7 +723,14 @@ impl Router {
                 _ => 0.0,
             };
             let c = self.candidate(w, st.overlaps[at], now, num_tokens, transfer, indexed_at(st, at));
-            st.cands.push(c);
+            if unfit {
+                spill.push(c);
+            } else {
+                st.cands.push(c);
+            }
+        }
+        if st.cands.is_empty() {
+            st.cands.append(&mut spill);
         }
         let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
         let reuse = Self::record_reuse(st, cfg, now, hashes);

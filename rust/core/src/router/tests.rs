@@ -1183,3 +1183,43 @@ fn token_share_bound_is_validated() {
         assert!(err.contains("token_share_bound must be a finite number >= 1"), "{err}");
     }
 }
+
+#[test]
+fn unified_workers_without_kv_room_are_avoided_and_a_cached_prefix_needs_no_new_room() {
+    let kv = |r: &Router| {
+        for w in 0..2 {
+            r.add_worker(w, WorkerSpec { kv_capacity_blocks: Some(1000), ..Default::default() }).unwrap();
+        }
+    };
+    for reject in [true, false] {
+        let cfg = RouterConfig {
+            policy: "cache_only".into(),
+            tie_break: TieBreak::Lowest,
+            pending_prefixes: false,
+            reject,
+            ..Default::default()
+        };
+        let r = Router::new(cfg, None).unwrap();
+        kv(&r);
+        // A 640-block prompt, 600 blocks of it cached on worker 1: there it needs 40 + output, not 640.
+        let p = prompt(9, 640 * 64);
+        store(&r, 1, &p[..600 * 64]);
+        let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), output_tokens: Some(64), ..Default::default() }).unwrap();
+        assert!(d.admitted && d.worker == 1, "reject={reject}: {d:?}");
+        // Worker 1's engine reports its KV 99% held by running requests: no room for the 33 blocks
+        // (32 uncached + 1 of output, with headroom) a half-cached prompt needs there; it goes to
+        // worker 0 instead of waiting, with or without rejection.
+        r.observe(1, Observed { kv_usage: Some(0.99), ..Default::default() }, None, Some(0.0)).unwrap();
+        let q = prompt(10, 64 * 64);
+        store(&r, 1, &q[..32 * 64]);
+        let d = r.route(&RouteRequest { tokens: Some(&q), now: Some(0.1), output_tokens: Some(64), ..Default::default() }).unwrap();
+        assert!(d.admitted && d.worker == 0, "reject={reject}: {d:?}");
+        // Both full: rejected with rejection on; placed anyway (on the best prefix) with it off.
+        r.observe(0, Observed { kv_usage: Some(0.99), ..Default::default() }, None, Some(0.1)).unwrap();
+        let d = r.route(&RouteRequest { tokens: Some(&q), now: Some(0.2), output_tokens: Some(64), ..Default::default() }).unwrap();
+        assert_eq!(d.admitted, !reject, "{d:?}");
+        if !reject {
+            assert_eq!(d.worker, 1);
+        }
+    }
+}
