@@ -17,6 +17,7 @@ SLOs: TTFT <= 2 s and mean ITL <= 200 ms (MLPerf Inference's Llama-2-70B server 
     python benches/bench_aisim.py                 # the suite, ~25 min on 2 cores
     python benches/bench_aisim.py --quick         # one seed, conversation and agent only
     python benches/bench_aisim.py --out benches/results/aisim_suite.json
+    python benches/bench_aisim.py --speed         # the whole conversation trace, 16 workers: wall time
 
 Writes a results file (command, commit, machine, date, every run's summary); render it with
 `python benches/render_results.py`.
@@ -111,6 +112,26 @@ def trace_file(case: Case, seed: int, tmp: str, conversation: list[dict[str, Any
     return path, 1.0
 
 
+def peak_prefill_tokens_per_s(budget: int = 8192) -> float:
+    """The most prompt tokens per second one default engine can prefill: the best pass size under
+    the step budget for AISimulate's built-in fit (decode steps beside it only lower it)."""
+    from kvroute.sim.aisim import BUILTIN_FIT as f
+
+    return max(t * 1000.0 / (f.prefill_a * t * t + f.prefill_b * t + f.prefill_c) for t in range(64, budget + 1, 64))
+
+
+def upper_bound(case: Case, path: str, speedup: float) -> float:
+    """A TTFT-attainment limit no router can beat on this case (kvroute.sim.limit's counting
+    argument: least work against the prefill pool's peak capacity); goodput is at most this."""
+    from kvroute.sim import ClusterConfig, load_trace
+    from kvroute.sim.limit import attainment_limit
+
+    w = load_trace(path, speedup=speedup)
+    prefill = case.topology[0]
+    cl = ClusterConfig(instances=prefill, speed=peak_prefill_tokens_per_s(), slo=TTFT_SLO_MS / 1000.0)
+    return attainment_limit(w, cl).attainment
+
+
 def build_race() -> None:
     subprocess.run(["cargo", "build", "--release", "-q", "--manifest-path", os.path.join(RACE_DIR, "Cargo.toml")], check=True)
 
@@ -133,6 +154,47 @@ def run_case(case: Case, seed: int, path: str, speedup: float, policy: str) -> l
     return rows
 
 
+def meta(name: str, argv: list[str] | None) -> dict[str, Any]:
+    return {
+        "benchmark": name,
+        "command": "python "
+        + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
+        "commit": git_commit(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def speed(out: str, argv: list[str] | None) -> int:
+    """Wall time of the whole conversation trace (12,031 requests) at 16 workers, speed-up 1, per
+    placement: the median of 3 runs each, and simulated seconds per wall second."""
+    from kvroute import Router
+
+    path = conversation_path()
+    if path is None:
+        print("no ../shared/traces/mooncake_conversation_trace.jsonl", file=sys.stderr)
+        return 1
+    build_race()
+    rows = []
+    for placement in (f"kvroute:{Router().policy}", "dynamo", "round_robin"):
+        runs = []
+        for _ in range(3):
+            cmd = [RACE_BIN, "--trace", path, "--workers", "16", "--speedup", "1", "--placements", placement]
+            cmd += ["--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_MS)]
+            d = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[0])
+            runs.append((d["wall_s"], d["summary"]["makespan_s"], d["summary"]["requests"]))
+        runs.sort()
+        wall, sim, n = runs[1]
+        rows.append(
+            {"placement": placement, "requests": n, "wall_s": wall, "sim_s": sim, "sim_per_wall": sim / wall, "walls": [r[0] for r in runs]}
+        )
+        print(f"{placement}: {n} requests, {wall:.1f} s wall (median of 3), {sim:.0f} s simulated, {sim / wall:.0f}x")
+    with open(out, "w") as f:
+        json.dump({**meta("aisim_speed", argv), "rows": rows}, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -144,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed, 8 workers and 4P12D, conversation and agent")
     ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per case (default {SEEDS}; conversation has {SEEDS} thirds)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "aisim_suite.json"), help="results file")
+    ap.add_argument("--out", help="results file (default benches/results/aisim_suite.json, or aisim_speed.json with --speed)")
+    ap.add_argument("--speed", action="store_true", help="time the whole conversation trace at 16 workers (quiet machine)")
     a = ap.parse_args(argv)
+    if a.speed:
+        return speed(a.out or os.path.join(HERE, "results", "aisim_speed.json"), argv)
+    a.out = a.out or os.path.join(HERE, "results", "aisim_suite.json")
     if not 1 <= a.seeds <= SEEDS:
         ap.error(f"--seeds must be 1..{SEEDS}")
     seeds = 1 if a.quick else a.seeds
@@ -168,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in range(seeds):
                 path, speedup = trace_file(case, seed, tmp, conversation)
                 got = run_case(case, seed, path, speedup, policy)
+                bound = upper_bound(case, path, speedup)
+                got.append({"case": case.name, "trace": case.trace, "split": case.split, "seed": seed, "label": "upper bound", "summary": {"goodput_share": bound}})
                 rows.extend(got)
                 brief = "  ".join(f"{r['label'].replace('kvroute:', '')}: {r['summary']['goodput_share'] * 100:.1f}%" for r in got)
                 print(f"[{time.time() - t0:6.0f}s] {case.name} seed {seed}: goodput {brief}", flush=True)

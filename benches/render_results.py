@@ -33,7 +33,7 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(xs))
 
 
-LABELS = {"round_robin": "round robin", "dynamo": "Dynamo KV router"}
+LABELS = {"round_robin": "round robin", "dynamo": "Dynamo KV router", "upper bound": "upper bound (TTFT, no router can beat)"}
 
 
 def _label(raw: str, policy: str) -> str:
@@ -80,7 +80,58 @@ def aisim_suite(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"aisim_suite": aisim_suite}
+def aisim_speed(res: dict[str, Any]) -> str:
+    out = ["| placement | requests | wall s (median of 3) | simulated s | simulated / wall |", "|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        out.append(
+            f"| {_label(r['placement'], '').replace(' + rejection', '')} | {r['requests']} | {r['wall_s']:.1f} | {r['sim_s']:.0f} | {r['sim_per_wall']:.0f}x |"
+        )
+    out += ["", f"`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}."]
+    return "\n".join(out) + "\n"
+
+
+def aisim_headline(res: dict[str, Any]) -> str:
+    """README: the held-out cases at their highest load, kvroute's default against Dynamo and round robin."""
+    top: dict[str, tuple[float, str]] = {}
+    for r in res["rows"]:
+        if r["split"] != "held-out":
+            continue
+        group = r["case"].rsplit(" ", 1)[0]
+        load = float(r["case"].rsplit(" ", 1)[1].rstrip("x/s"))
+        if group not in top or load > top[group][0]:
+            top[group] = (load, r["case"])
+    cases = [c for _, c in top.values()]
+    policy = res["default_policy"]
+    want = [(f"kvroute:{policy}", "kvroute"), ("dynamo", "Dynamo KV router"), ("round_robin", "round robin")]
+    out = [
+        "| case (held-out, highest load) | " + " | ".join(f"{n} goodput" for _, n in want) + " | TTFT mean s: kvroute / Dynamo / RR |",
+        "|---|" + "---:|" * (len(want) + 1),
+    ]
+    for case in cases:
+        cells, means = [], []
+        for label, _ in want:
+            sums = [r["summary"] for r in res["rows"] if r["case"] == case and r["label"] == label]
+            g, se = _mean_se([s["goodput_share"] * 100 for s in sums])
+            cells.append(f"{g:.1f}% ± {se:.1f}")
+            no_rej = [
+                r["summary"]
+                for r in res["rows"]
+                if r["case"] == case and r["label"] == (label + " (no reject)" if label.startswith("kvroute") else label)
+            ]
+            vals = [s["ttft_mean_ms"] / 1000 for s in no_rej if s.get("ttft_mean_ms") is not None]
+            means.append(f"{sum(vals) / len(vals):.2f}" if vals else "-")
+        out.append(f"| {case} | " + " | ".join(cells) + f" | {' / '.join(means)} |")
+    out += [
+        "",
+        f"Goodput: TTFT <= {res['slo']['ttft_ms'] / 1000:g} s and mean ITL <= {res['slo']['itl_ms']:g} ms, rejected requests counted as missed "
+        f"(kvroute with early rejection, as it ships); mean TTFT over every request without rejection; mean ± SE over {res['seeds']} seeds. "
+        f"`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+RENDERERS = {"aisim_suite": aisim_suite, "aisim_speed": aisim_speed}
+HEADLINES = {"aisim_headline": ("aisim_suite", aisim_headline)}
 
 
 def render_all() -> dict[str, str]:
@@ -91,6 +142,9 @@ def render_all() -> dict[str, str]:
         name = res.get("benchmark")
         if name in RENDERERS:
             out[name] = RENDERERS[name](res)
+        for block, (source, fn) in HEADLINES.items():
+            if name == source:
+                out[block] = fn(res)
     return out
 
 

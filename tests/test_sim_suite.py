@@ -65,13 +65,15 @@ def test_quick_suite_runs_every_policy_with_bounds():
     assert pols[-1] == default_policy() and "node_score" in pols
     for r in res:
         assert set(r.attainment) == set(pols) == set(r.rejected)
-        assert set(r.bounds) == {"infinite cache", "global cache"}
+        assert set(r.bounds) == {"limit", "global cache"}
         assert all(0.0 <= a <= 1.0 for a in r.attainment.values())
+        # The limit is a bound: no policy beats it.
+        assert max(r.attainment.values()) <= r.bounds["limit"] + 1e-12
         # Each run is every policy on one workload seed.
         assert len(r.runs) == len(pols) * len(r.case.seeds)
         assert r.default_is_best == (r.attainment[r.default] >= max(v for p, v in r.attainment.items() if p != r.default) - 0.0005)
     table = format_suite(res)
-    assert "tuning: default best" in table and "| infinite cache |" in table
+    assert "tuning: default best" in table and "| limit (bound) |" in table
     # Deterministic: the same suite gives the same figures.
     again = run_suite(QUICK_CASES[:1], event_lags=(0.0,))
     assert again[0].attainment == res[0].attainment
@@ -163,3 +165,13 @@ def test_suite_runs_more_seeds_per_case():
     assert [len(v) for v in r.by_seed.values()] == [2, 2]
     assert r.attainment["slack"] == pytest.approx(sum(r.by_seed["slack"]) / 2)
     assert r.gap[1] == r.gap[1]  # two seeds: a standard error
+
+
+def test_quick_suite_cases_separate_the_policies():
+    """Each quick case shows more than one attainment among the cache-aware policies (a case where
+    all of them score the same shows nothing), and no policy beats the limit."""
+    res = run_suite(QUICK_CASES, event_lags=(0.0,))
+    for r in res:
+        aware = {round(r.attainment[p], 6) for p in ("cache_only", "cache_aware", "ttft", "slack", "capacity")}
+        assert len(aware) > 1, (r.case.name, r.attainment)
+        assert max(r.attainment.values()) <= r.bounds["limit"] + 1e-12

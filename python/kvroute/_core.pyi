@@ -132,6 +132,7 @@ class WorkerLoad(TypedDict):
     decode_blocks: int
     kv_capacity_blocks: int | None
     prefix_cache_blocks: int | None
+    max_running: int | None
     prefill_tokens_per_s: float
     decode_tokens_per_s: float | None
     observed_waiting: int | None
@@ -238,6 +239,7 @@ class Router:
         kv_capacity_blocks: int | None = None,
         decode_tokens_per_s: float | None = None,
         prefix_cache_blocks: int | None = None,
+        max_running: int | None = None,
     ) -> None: ...
     def remove_worker(self, worker: int) -> None: ...
     def route(

@@ -260,6 +260,7 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                     kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
                     prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
                     decode_tokens_per_s: spec_.engine.decode_tokens_per_s(spec_.typical_prompt_tokens),
+                    max_running: Some(spec_.engine.max_num_seqs.min(u32::MAX as usize) as u32),
                     ..Default::default()
                 };
                 let shared = Shared::new(router.clone(), pd, worker.clone(), worker);

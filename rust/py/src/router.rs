@@ -195,7 +195,10 @@ impl PyRouter {
 
     /// Registers a worker. `role`: "both" (unified), "prefill" or "decode"; registering any
     /// "decode" worker turns on PD mode.
-    #[pyo3(signature = (worker, *, role = "both", prefill_tokens_per_s = 20000.0, kv_capacity_blocks = None, decode_tokens_per_s = None, prefix_cache_blocks = None))]
+    /// `max_running`: the most requests the engine runs at once (vLLM `max_num_seqs`); a unified
+    /// worker with that many in flight is chosen only when none has a seat.
+    #[pyo3(signature = (worker, *, role = "both", prefill_tokens_per_s = 20000.0, kv_capacity_blocks = None, decode_tokens_per_s = None, prefix_cache_blocks = None, max_running = None))]
+    #[allow(clippy::too_many_arguments)]
     fn add_worker(
         &self,
         worker: &Bound<'_, PyAny>,
@@ -204,7 +207,16 @@ impl PyRouter {
         kv_capacity_blocks: Option<u64>,
         decode_tokens_per_s: Option<f64>,
         prefix_cache_blocks: Option<i64>,
+        max_running: Option<i64>,
     ) -> PyResult<()> {
+        let max_running = max_running
+            .map(|m| {
+                u32::try_from(m)
+                    .ok()
+                    .filter(|&m| m >= 1)
+                    .ok_or_else(|| PyValueError::new_err(format!("max_running must be an int >= 1 (requests) or None, got {m}")))
+            })
+            .transpose()?;
         let prefix_cache_blocks = prefix_cache_blocks
             .map(|b| {
                 u64::try_from(b)
@@ -214,7 +226,7 @@ impl PyRouter {
         let id = extract_u64(worker, "worker")?;
         let role = Role::from_name(role)
             .ok_or_else(|| PyValueError::new_err(format!("role must be 'both', 'prefill' or 'decode', got {role:?}")))?;
-        let spec = WorkerSpec { role, prefill_tokens_per_s, kv_capacity_blocks, decode_tokens_per_s, prefix_cache_blocks };
+        let spec = WorkerSpec { role, prefill_tokens_per_s, kv_capacity_blocks, decode_tokens_per_s, prefix_cache_blocks, max_running };
         self.inner.add_worker(id, spec).map_err(to_py)
     }
 
@@ -322,6 +334,7 @@ impl PyRouter {
         d.set_item("decode_blocks", w.decode_blocks)?;
         d.set_item("kv_capacity_blocks", w.spec.kv_capacity_blocks)?;
         d.set_item("prefix_cache_blocks", w.spec.prefix_cache_blocks)?;
+        d.set_item("max_running", w.spec.max_running)?;
         d.set_item("prefill_tokens_per_s", w.spec.prefill_tokens_per_s)?;
         d.set_item("decode_tokens_per_s", w.spec.decode_tokens_per_s)?;
         d.set_item("observed_waiting", w.observed.waiting)?;

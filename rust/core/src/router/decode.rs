@@ -16,9 +16,10 @@ pub enum DecodeChoice {
     TpotMiss(usize, Option<f64>),
 }
 
-/// Whether worker `w` can take a request needing `need` KV blocks within the TPOT SLO.
+/// Whether worker `w` can take a request needing `need` KV blocks within the TPOT SLO, with a
+/// seat among its running requests.
 pub fn admissible(w: &WorkerLoad, need: u64, cfg: &RouterConfig) -> bool {
-    w.kv_fits(need, cfg.kv_headroom) && tpot_ok(w, cfg)
+    w.kv_fits(need, cfg.kv_headroom) && tpot_ok(w, cfg) && w.has_seat()
 }
 
 fn tpot_ok(w: &WorkerLoad, cfg: &RouterConfig) -> bool {

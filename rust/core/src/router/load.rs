@@ -17,6 +17,10 @@ pub struct WorkerSpec {
     /// Prefix-cache capacity in blocks (the engine's reusable KV pool); None: unknown, and the
     /// router never charges a placement for the cached blocks it would evict.
     pub prefix_cache_blocks: Option<u64>,
+    /// Most requests the engine runs at once (vLLM `max_num_seqs`, SGLang `max_running_requests`);
+    /// a unified worker with this many in flight has no seat: a new request waits there for one
+    /// to finish, so it is chosen only when no worker has a seat. None: unknown (never full).
+    pub max_running: Option<u32>,
 }
 
 impl Default for WorkerSpec {
@@ -27,6 +31,7 @@ impl Default for WorkerSpec {
             kv_capacity_blocks: None,
             decode_tokens_per_s: None,
             prefix_cache_blocks: None,
+            max_running: None,
         }
     }
 }
@@ -244,6 +249,12 @@ impl WorkerLoad {
             Some(cap) => cap.saturating_sub(self.kv_used()),
             None => u64::MAX,
         }
+    }
+
+    /// Whether one more request finds a seat among the engine's running requests (`max_running`).
+    #[inline]
+    pub fn has_seat(&self) -> bool {
+        self.spec.max_running.map_or(true, |m| self.in_flight() < m)
     }
 
     /// Whether `need` more blocks fit with the configured headroom.

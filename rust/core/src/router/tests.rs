@@ -1223,3 +1223,43 @@ fn unified_workers_without_kv_room_are_avoided_and_a_cached_prefix_needs_no_new_
         }
     }
 }
+
+#[test]
+fn a_unified_worker_without_a_seat_is_chosen_only_when_none_has_one() {
+    for reject in [false, true] {
+        let cfg = RouterConfig {
+            policy: "cache_only".into(),
+            tie_break: TieBreak::Lowest,
+            pending_prefixes: false,
+            reject,
+            ..Default::default()
+        };
+        let r = Router::new(cfg, None).unwrap();
+        for w in 0..2 {
+            r.add_worker(w, WorkerSpec { max_running: Some(2), ..Default::default() }).unwrap();
+        }
+        let p = prompt(11, 64 * 8);
+        store(&r, 1, &p);
+        let go = |id: u64, now: f64| {
+            r.route(&RouteRequest { tokens: Some(&p), now: Some(now), request_id: Some(id), ..Default::default() }).unwrap()
+        };
+        // Worker 1 holds the prefix: it takes requests while it has seats (2), then worker 0 does.
+        assert_eq!(go(1, 0.0).worker, 1);
+        assert_eq!(go(2, 0.0).worker, 1);
+        assert_eq!(go(3, 0.0).worker, 0);
+        assert_eq!(go(4, 0.0).worker, 0);
+        // No seat anywhere: rejected with rejection on, else placed anyway (on the prefix).
+        let d = go(5, 0.0);
+        assert_eq!(d.admitted, !reject, "{d:?}");
+        if !reject {
+            assert_eq!(d.worker, 1);
+        }
+        // The engine's own count counts too: worker 0 reports 2 running after ours finished.
+        for id in [3, 4] {
+            r.finished(id, Some(1.0)).unwrap();
+        }
+        r.observe(0, Observed { running: Some(2), waiting: Some(0), ..Default::default() }, None, Some(1.0)).unwrap();
+        r.finished(1, Some(1.0)).unwrap();
+        assert_eq!(go(6, 1.0).worker, 1);
+    }
+}
