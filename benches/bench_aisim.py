@@ -235,7 +235,16 @@ def main(argv: list[str] | None = None) -> int:
                 path, speedup = trace_file(case, seed, tmp, conversation)
                 got = run_case(case, seed, path, speedup, policy)
                 bound = upper_bound(case, path, speedup)
-                got.append({"case": case.name, "trace": case.trace, "split": case.split, "seed": seed, "label": "upper bound", "summary": {"goodput_share": bound}})
+                got.append(
+                    {
+                        "case": case.name,
+                        "trace": case.trace,
+                        "split": case.split,
+                        "seed": seed,
+                        "label": "upper bound",
+                        "summary": {"goodput_share": bound},
+                    }
+                )
                 rows.extend(got)
                 brief = "  ".join(f"{r['label'].replace('kvroute:', '')}: {r['summary']['goodput_share'] * 100:.1f}%" for r in got)
                 print(f"[{time.time() - t0:6.0f}s] {case.name} seed {seed}: goodput {brief}", flush=True)

@@ -130,8 +130,59 @@ def aisim_headline(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _paired(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], field: str) -> tuple[float, float]:
+    ds = [a[s][field] - b[s][field] for s in a if s in b and a[s].get(field) is not None and b[s].get(field) is not None]
+    if not ds:
+        return math.nan, math.nan
+    m = sum(ds) / len(ds)
+    se = math.sqrt(sum((d - m) ** 2 for d in ds) / (len(ds) - 1) / len(ds)) if len(ds) > 1 else 0.0
+    return m, se
+
+
+def aisim_verdict(res: dict[str, Any]) -> str:
+    """kvroute's default against Dynamo's KV router, paired over seeds, per case: goodput with
+    early rejection (as it ships) and TTFT p99 without it (every request timed); a loss counts
+    when it is beyond 2 SE."""
+    by: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    order: list[tuple[str, str]] = []
+    for r in res["rows"]:
+        key = (r["split"], r["case"])
+        if key not in by:
+            order.append(key)
+        by[key][r["label"]][r["seed"]] = r["summary"]
+    pol = f"kvroute:{res['default_policy']}"
+    out = [
+        "| split | case | goodput, kvroute - Dynamo (points) | TTFT p99, kvroute - Dynamo (s) | verdict |",
+        "|---|---|---:|---:|---|",
+    ]
+    losses = {"tuning": 0, "held-out": 0}
+    counts = {"tuning": 0, "held-out": 0}
+    for split in ("tuning", "held-out"):
+        for key in [k for k in order if k[0] == split]:
+            labs = by[key]
+            g, gse = _paired(labs[pol], labs["dynamo"], "goodput_share")
+            t, tse = _paired(labs[f"{pol} (no reject)"], labs["dynamo"], "ttft_p99_ms")
+            lost = []
+            if g < 0 and -g > 2 * gse:
+                lost.append("goodput")
+            if t > 0 and t > 2 * tse:
+                lost.append("TTFT p99")
+            counts[split] += 1
+            losses[split] += bool(lost)
+            verdict = "behind on " + " and ".join(lost) if lost else "at least as good"
+            out.append(f"| {split} | {key[1]} | {g * 100:+.2f} ± {gse * 100:.2f} | {t / 1000:+.3f} ± {tse / 1000:.3f} | {verdict} |")
+    out.append("")
+    out.append(
+        "; ".join(
+            f"{s}: at least as good as Dynamo in {counts[s] - losses[s]} of {counts[s]} cases" for s in ("tuning", "held-out") if counts[s]
+        )
+        + f" (losses beyond 2 SE, paired over {res['seeds']} seeds). `{res['command']}` at {res['commit']}, {res['date']}."
+    )
+    return "\n".join(out) + "\n"
+
+
 RENDERERS = {"aisim_suite": aisim_suite, "aisim_speed": aisim_speed}
-HEADLINES = {"aisim_headline": ("aisim_suite", aisim_headline)}
+HEADLINES = {"aisim_headline": ("aisim_suite", aisim_headline), "aisim_verdict": ("aisim_suite", aisim_verdict)}
 
 
 def render_all() -> dict[str, str]:

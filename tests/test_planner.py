@@ -76,3 +76,37 @@ def test_windows_from_a_workload():
     assert sum(round(p.rate * p.duration) for p in ws) == 500
     assert all(0 <= p.hit <= 1 for p in ws)
     assert ws[-1].hit > ws[0].hit  # reuse grows as conversations continue
+
+
+def test_need_for_slo_sizes_to_the_slo_not_to_full_utilisation() -> None:
+    from kvroute.planner import EngineCaps, Phase, erlang_c, need, need_for_slo
+
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(4, 0.0) == 0.0 and erlang_c(4, 4.0) == 1.0
+    caps = EngineCaps(p_cap=20000, p_pass_s=0.0, d_slots=100, d_step_s=0.02)
+    ph = Phase("p", 10, 2000, 500, 0.5)
+    p, d = need_for_slo(ph, caps, ttft_slo=2.0)
+    # Full utilisation would need ceil(10 * 1000 / 20000) = 1 P and ceil(10 * 500 / (100 / 0.02)) = 1 D.
+    assert need(10, 2000, 500, 0.5, p_cap=20000, d_cap=100 / 0.02) == (1, 1)
+    assert p >= 1 and d >= 2
+    with pytest.raises(ValueError, match="exceeds the TTFT SLO"):
+        need_for_slo(Phase("long", 1, 100000, 1, 0.0), caps, ttft_slo=2.0)
+    with pytest.raises(ValueError, match="target"):
+        need_for_slo(ph, caps, ttft_slo=2.0, target=1.0)
+
+
+def test_plan_engine_aisim_sizes_the_seed_phases_to_their_slos(capsys):
+    from kvroute.cli import main
+
+    assert main(["plan", "--engine", "aisim", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["phase"] for r in rows] == [p.name for p in pl.SEED_PHASES]
+    for r, ph in zip(rows, pl.SEED_PHASES):
+        # Sized to the SLOs, never below what full utilisation of the same capacities needs.
+        caps = r["caps"]
+        full = pl.need(ph.rate, ph.isl, ph.osl, ph.hit, p_cap=caps["p_cap"], d_cap=caps["d_slots"] / caps["d_step_s"])
+        assert r["p"] >= full[0] and r["d"] >= full[1] and "goodput" not in r
+    with pytest.raises(SystemExit, match="--check goes with --engine aisim"):
+        main(["plan", "--check"])
+    with pytest.raises(SystemExit, match="--dynamic and --trace use the seed model"):
+        main(["plan", "--engine", "aisim", "--dynamic"])

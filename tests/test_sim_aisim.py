@@ -116,3 +116,21 @@ def test_the_mooncake_conversation_trace_replays_whole() -> None:
     assert r.summary["requests"] == 12031
     assert r.summary["completed"] + r.summary["rejected"] == 12031
     assert r.summary["prefix_hit_rate"] > 0.2
+
+
+@needs_aisim
+def test_the_planner_sizes_each_seed_phase_to_its_slos_on_the_realistic_engines() -> None:
+    """`kvroute plan --engine aisim`: each seed phase's xPyD, simulated as a disaggregated cluster,
+    keeps the SLOs for 99% of requests, and one instance fewer on its bottleneck side does not
+    (one fewer prefill instance than one leaves none, which serves nothing)."""
+    from kvroute.planner import SEED_PHASES
+    from kvroute.sim.aisim import plan_check
+
+    for ph in SEED_PHASES:
+        r = plan_check(ph, seconds=120.0)
+        planned = r["goodput"][f"{r['p']}P{r['d']}D"]
+        fewer = [v for k, v in r["goodput"].items() if k != f"{r['p']}P{r['d']}D"]
+        if r["p"] == 1:
+            fewer.append(0.0)
+        assert planned >= 0.99, (ph.name, r)
+        assert min(fewer) < 0.99, (ph.name, r)

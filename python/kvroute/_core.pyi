@@ -419,6 +419,12 @@ def approx_prompt(body: bytes, chat: bool, block_size: int = 64, *, seed: int = 
     ValueError with the client's 400 message for an invalid body."""
 
 def aisim_replay(
-    spec_json: str, *, router: Router | None = None, trace_path: str | None = None, trace_jsonl: str | None = None, speedup: float = 1.0
+    spec_json: str,
+    *,
+    router: Router | None = None,
+    trace_path: str | None = None,
+    trace_jsonl: str | None = None,
+    speedup: float = 1.0,
+    trace_block_size: int = 512,
 ) -> str:
     """Builds with the ``aisim`` feature only: one replay on AISimulate's engines (see kvroute.sim.aisim)."""

@@ -424,6 +424,21 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--drain", type=float, default=60.0, help="extra seconds to drain a decode instance (default 60)")
     p.add_argument("--hysteresis", type=float, default=0.95, help="keep the split while both sides are below this load (default 0.95)")
     p.add_argument("--min-move", type=int, default=2, help="smallest worthwhile move when not overloaded (default 2)")
+    p.add_argument(
+        "--engine",
+        choices=("seed", "aisim"),
+        default="seed",
+        help="seed: the seed's capacities, sized to full utilisation (default); aisim: the default AISimulate engine's "
+        "capacities, sized to the SLOs (queueing, see docs/simulator.md)",
+    )
+    p.add_argument("--slo", type=float, default=2.0, help="with --engine aisim: TTFT SLO in seconds (default 2)")
+    p.add_argument("--itl-slo", type=float, default=0.2, help="with --engine aisim: mean ITL SLO in seconds (default 0.2)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --engine aisim: simulate each phase's plan, and one instance fewer on each side, on AISimulate's engines "
+        "(needs the aisim build feature)",
+    )
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     p.add_argument("--plot", metavar="PATH.png", help="plot the schedule (needs matplotlib)")
     p.set_defaults(func=cmd_plan)
@@ -438,8 +453,41 @@ def _parse_split(s: str) -> tuple[int, int]:
     return p, d
 
 
+def cmd_plan_aisim(a: argparse.Namespace) -> int:
+    """``kvroute plan --engine aisim``: each phase sized to the SLOs on AISimulate's default engine."""
+    from kvroute import planner as pl
+    from kvroute.sim.aisim import plan_check
+
+    if a.dynamic or a.trace:
+        raise SystemExit(
+            "kvroute plan: --engine aisim sizes phases (the seed's, or --phases FILE); --dynamic and --trace use the seed model"
+        )
+    try:
+        phases = pl.load_phases(a.phases) if a.phases else list(pl.SEED_PHASES)
+        rows = [plan_check(ph, ttft_slo=a.slo, itl_slo=a.itl_slo, simulate=a.check) for ph in phases]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvroute plan: {e}") from None
+    except RuntimeError as e:
+        raise SystemExit(f"kvroute plan: {e}") from None
+    for r in rows:
+        if a.json:
+            print(json.dumps(r))
+            continue
+        line = f"{r['phase']}: {r['p']}P{r['d']}D (TTFT SLO {a.slo:g} s, ITL SLO {a.itl_slo * 1000:g} ms)"
+        if a.check:
+            g = r["goodput"]
+            line += "; simulated goodput " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in g.items())
+        print(line)
+    return 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from kvroute import planner as pl
+
+    if a.engine == "aisim":
+        return cmd_plan_aisim(a)
+    if a.check:
+        raise SystemExit("kvroute plan: --check goes with --engine aisim")
 
     static = _parse_split(a.static)
     if sum(static) != a.total:

@@ -19,14 +19,17 @@ from typing import Any
 
 __all__ = [
     "SEED_PHASES",
+    "EngineCaps",
     "Phase",
     "PlanStep",
     "PlannerConfig",
+    "erlang_c",
     "expand_phases",
     "format_schedule",
     "load_phases",
     "loads",
     "need",
+    "need_for_slo",
     "phases_from_workload",
     "plan_dynamic",
     "plot_schedule",
@@ -69,6 +72,87 @@ def need(rate: float, isl: float, osl: float, hit: float, *, p_cap: float = SEED
     if not (p_cap > 0 and d_cap > 0):
         raise ValueError(f"capacities must be > 0, got p_cap={p_cap}, d_cap={d_cap}")
     return math.ceil(rate * isl * (1 - hit) / p_cap), math.ceil(rate * osl / d_cap)
+
+
+@dataclass(frozen=True)
+class EngineCaps:
+    """What one instance can do, for SLO-aware sizing (`need_for_slo`): prefill ``p_cap`` uncached
+    prompt tokens/s plus ``p_pass_s`` fixed per request; a decode instance holds ``d_slots``
+    requests at once (KV pool or sequence limit) and emits one token per request every
+    ``d_step_s`` seconds at that batch. `kvroute.sim.aisim.engine_caps` derives them from an
+    engine model; for real engines, measure them."""
+
+    p_cap: float
+    p_pass_s: float
+    d_slots: int
+    d_step_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.p_cap > 0 and self.p_pass_s >= 0 and self.d_slots >= 1 and self.d_step_s > 0):
+            raise ValueError(f"engine caps must be positive (p_cap, d_slots, d_step_s) and p_pass_s >= 0, got {self}")
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with ``servers`` and ``offered`` load
+    (Erlangs); 1 when the queue is unstable."""
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    b = 1.0  # Erlang B by the stable recursion
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    return servers * b / (servers - offered * (1 - b))
+
+
+def need_for_slo(
+    phase: Phase, caps: EngineCaps, *, ttft_slo: float, target: float = 0.99, transfer_s: float = 0.0, max_instances: int = 10_000
+) -> tuple[int, int]:
+    """The fewest P and D that serve ``phase`` with at most ``1 - target`` of requests missing:
+
+    - prefill: the P instances are the servers of an M/M/c queue (a load-aware router sends each
+      request where the queue is shortest, so the pool serves as one queue; exponential service as a
+      conservative stand-in for the mix of prompt lengths) with service ``s = isl * (1 - hit) /
+      p_cap`` (``p_cap`` is the best pass's throughput: passes batch several prompts, so the fixed
+      cost of a pass is shared); a request misses the TTFT SLO when its wait exceeds
+      ``t = ttft_slo - s - p_pass_s - transfer_s``, which happens with probability
+      ``erlang_c(P, a) * exp(-(P - a) t / s)``, ``a = rate * s``;
+    - decode: the D instances' ``D * d_slots`` slots are the servers of an M/M/c queue whose service
+      is a request's decode, ``osl * d_step_s`` seconds; an arrival that finds every slot taken
+      waits for KV room (a router with early rejection turns it away), with the Erlang C probability.
+
+    The seed's `need` sizes to 100% utilisation, where queues grow without bound; this sizes to
+    the SLO."""
+    if not (0 < target < 1):
+        raise ValueError(f"target must be in (0, 1), got {target}")
+    if not ttft_slo > 0:
+        raise ValueError(f"ttft_slo must be > 0 seconds, got {ttft_slo}")
+    miss = 1 - target
+    s = phase.isl * (1 - phase.hit) / caps.p_cap
+    slack = ttft_slo - s - caps.p_pass_s - transfer_s
+    p = 0
+    if phase.rate > 0:
+        if slack <= 0:
+            raise ValueError(
+                f"phase {phase.name!r}: a prefill alone ({s + caps.p_pass_s:.3f} s + transfer {transfer_s:.3f} s) exceeds the TTFT SLO {ttft_slo} s"
+            )
+        a = phase.rate * s
+        if s == 0:
+            a, s = 0.0, 1.0  # everything cached: any instance keeps up
+        for p in range(1, max_instances + 1):
+            if p > a and erlang_c(p, a) * math.exp(-(p - a) * slack / s) <= miss:
+                break
+        else:
+            raise ValueError(f"phase {phase.name!r}: more than {max_instances} prefill instances needed")
+    offered = phase.rate * phase.osl * caps.d_step_s
+    d = 0
+    if offered > 0:
+        for d in range(1, max_instances + 1):
+            if erlang_c(d * caps.d_slots, offered) <= miss:
+                break
+        else:
+            raise ValueError(f"phase {phase.name!r}: more than {max_instances} decode instances needed")
+    return p, d
 
 
 def loads(phase: Phase, p: int, d: int, *, p_cap: float = SEED_P_CAP, d_cap: float = SEED_D_CAP) -> tuple[float, float]:

@@ -18,12 +18,26 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvroute import _core
 from kvroute._core import Router
 
-__all__ = ["BUILTIN_FIT", "HAS_AISIM", "AisimResult", "EngineModel", "PolyFit", "format_aisim_table", "replay", "router_for"]
+if TYPE_CHECKING:
+    from kvroute.planner import EngineCaps, Phase
+
+__all__ = [
+    "BUILTIN_FIT",
+    "HAS_AISIM",
+    "AisimResult",
+    "EngineModel",
+    "PolyFit",
+    "engine_caps",
+    "format_aisim_table",
+    "plan_check",
+    "replay",
+    "router_for",
+]
 
 #: Whether this build of kvroute carries the realistic engine model.
 HAS_AISIM: bool = bool(getattr(_core, "HAS_AISIM", False))
@@ -94,6 +108,52 @@ class AisimResult:
     wall_s: float
 
 
+def _fit(engine: EngineModel) -> PolyFit | None:
+    t = engine.timing
+    return BUILTIN_FIT if t == "builtin" else (t if isinstance(t, PolyFit) else None)
+
+
+def engine_caps(engine: EngineModel, isl: float, osl: float, *, itl_slo: float | None = 0.2) -> EngineCaps:
+    """What one engine of ``engine`` can do for `kvroute.planner.need_for_slo`, at prompts of
+    ``isl`` and outputs of ``osl`` tokens: the prefill speed of its best pass under the step budget
+    (and one pass's fixed cost per request), and a decode instance's slots (its ``max_num_seqs``
+    seats, or fewer when their KV does not fit the pool or a step would break ``itl_slo``) with its
+    step time at that batch."""
+    from kvroute.planner import EngineCaps
+
+    fit = _fit(engine)
+    budget = engine.max_num_batched_tokens
+    if fit is None:  # fixed timing
+        assert isinstance(engine.timing, tuple)
+        prefill_ms, decode_ms = float(engine.timing[1]), float(engine.timing[2])
+        p_cap, p_pass = budget * 1000.0 / prefill_ms, prefill_ms / 1000.0
+
+        def step(u: float) -> float:
+            return decode_ms
+    else:
+        f = fit
+        p_cap = max(t * 1000.0 / (f.prefill_a * t * t + f.prefill_b * t + f.prefill_c) for t in range(1, budget + 1, max(1, budget // 512)))
+        p_pass = f.prefill_c / 1000.0
+
+        def step(u: float) -> float:
+            return max(f.decode_a * u * u + f.decode_b * u + f.decode_c, f.decode_min_ms)
+
+    pool = engine.num_gpu_blocks * engine.block_size
+    # A request's KV at its end. Requests that share a prefix are still counted whole: the decode
+    # step's time grows with every running request's context, and a transferred KV is the request's own.
+    held = max(1.0, isl + osl)
+    # The requests an instance decodes at once: its sequence seats, or fewer when their KV does not fit.
+    slots = max(1, min(engine.max_num_seqs, int(pool // held)))
+    ctx = isl + osl / 2  # on average over its decode
+
+    def step_at(n: int) -> float:
+        return step(min(1.0, n * ctx / pool))
+
+    while slots > 1 and itl_slo is not None and step_at(slots) > itl_slo * 1000:
+        slots -= 1
+    return EngineCaps(p_cap=p_cap, p_pass_s=p_pass, d_slots=slots, d_step_s=step_at(slots) / 1000.0)
+
+
 def router_for(engine: EngineModel, *, policy: str | None = None, ttft_slo: float | None = 2.0, **options: Any) -> Router:
     """A fresh `Router` that sees the cluster as the engine model builds it: the engines' block
     size, decode step and (for disaggregated runs) KV transfer, plus ``policy``, ``ttft_slo``
@@ -127,6 +187,7 @@ def replay(
     ttft_slo: float | None = 2.0,
     itl_slo: float | None = 0.2,
     speedup: float = 1.0,
+    trace_block_size: int = 512,
 ) -> AisimResult:
     """Replays a Mooncake-format ``trace`` (a path, or its rows) on ``workers`` unified engines (or
     ``prefill`` + ``decode`` disaggregated ones), placed by ``router`` (a fresh `Router`, which the
@@ -158,6 +219,7 @@ def replay(
         kw["trace_path"] = os.fspath(trace)
     else:
         kw["trace_jsonl"] = "\n".join(json.dumps(r) for r in trace)
+        kw["trace_block_size"] = int(trace_block_size)
     out = json.loads(_core.aisim_replay(json.dumps(spec), **kw))
     return AisimResult(
         placement="round_robin" if router is None else router.policy,
@@ -183,3 +245,47 @@ def format_aisim_table(title: str, results: list[AisimResult]) -> str:
             f"{s['prefix_hit_rate'] * 100:>6.1f}%{s['preemptions']:>9}{s['rejected_share'] * 100:>9.1f}%"
         )
     return "\n".join(lines)
+
+
+def plan_check(
+    phase: Phase,
+    *,
+    engine: EngineModel | None = None,
+    ttft_slo: float = 2.0,
+    itl_slo: float = 0.2,
+    target: float = 0.99,
+    simulate: bool = True,
+    seconds: float = 120.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The planner on these engines: ``phase`` sized to the SLOs (`kvroute.planner.need_for_slo` on
+    `engine_caps`), and, with ``simulate``, that plan and one instance fewer on each side replayed
+    as a disaggregated cluster (``seconds`` of the phase, `kvroute.sim.trace.phase_trace`, routed by
+    kvroute's default policy with early rejection): goodput per split."""
+    from kvroute.planner import need_for_slo
+    from kvroute.sim.trace import phase_trace
+
+    engine = engine or EngineModel()
+    caps = engine_caps(engine, phase.isl, phase.osl, itl_slo=itl_slo)
+    transfer = phase.isl * engine.kv_bytes_per_token / (engine.kv_transfer_gb_s * 1e9)
+    p, d = need_for_slo(phase, caps, ttft_slo=ttft_slo, target=target, transfer_s=transfer)
+    out: dict[str, Any] = {"phase": phase.name, "p": p, "d": d, "caps": asdict(caps)}
+    if simulate:
+        bs = engine.block_size
+        rows = phase_trace(phase.rate, int(phase.isl), int(phase.osl), phase.hit, seconds=seconds, seed=seed, block_size=bs)
+        goodput = {}
+        for pp, dd in ((p, d), (p - 1, d), (p, d - 1)):
+            if pp >= 1 and dd >= 1:
+                r = replay(
+                    rows,
+                    router=router_for(engine, ttft_slo=ttft_slo),
+                    prefill=pp,
+                    decode=dd,
+                    engine=engine,
+                    ttft_slo=ttft_slo,
+                    itl_slo=itl_slo,
+                    trace_block_size=bs,
+                )
+                goodput[f"{pp}P{dd}D"] = r.summary["goodput_share"]
+        out["goodput"] = goodput
+    return out

@@ -258,7 +258,9 @@ def _references(cluster: ClusterConfig, w: Workload, policies: Sequence[str]) ->
     out: dict[str, float] = {}
     if not cluster.decode_instances:
         out["limit"] = attainment_limit(w, cluster).attainment
-    out["global cache"] = max(simulate(w, p, reject=True, cluster=replace(cluster, shared_cache=True), progress=False).attainment for p in policies)
+    out["global cache"] = max(
+        simulate(w, p, reject=True, cluster=replace(cluster, shared_cache=True), progress=False).attainment for p in policies
+    )
     return out
 
 

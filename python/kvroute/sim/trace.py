@@ -35,7 +35,7 @@ def find_shared_dir(start: str | os.PathLike[str]) -> str | None:
         d = os.path.dirname(d)
 
 
-__all__ = ["MOONCAKE_BLOCK", "SHAPES", "load_trace", "records_to_workload", "synthetic_trace", "write_trace"]
+__all__ = ["MOONCAKE_BLOCK", "SHAPES", "load_trace", "phase_trace", "records_to_workload", "synthetic_trace", "write_trace"]
 
 #: Tokens per hash id in Mooncake's released traces.
 MOONCAKE_BLOCK = 512
@@ -282,3 +282,25 @@ def synthetic_trace(
         hash_ids = list(ids) + ([fresh()] if tokens % block_size else [])
         out.append({"timestamp": int(t * 1000), "input_length": tokens, "output_length": rng.randint(*p["output"]), "hash_ids": hash_ids})
     return out
+
+
+def phase_trace(
+    rate: float, isl: int, osl: int, hit: float, *, seconds: float, seed: int = 0, block_size: int = MOONCAKE_BLOCK
+) -> list[dict[str, Any]]:
+    """A steady phase in the Mooncake format, as the planner describes one: Poisson arrivals at
+    ``rate`` per second for ``seconds``, every prompt ``isl`` tokens whose first ``hit`` share
+    (whole blocks) is one prefix all requests share and the rest its own, ``osl`` output tokens."""
+    if not (rate > 0 and math.isfinite(rate)) or isl < 1 or osl < 1 or not (0 <= hit <= 1) or not seconds > 0:
+        raise ValueError(f"need rate > 0, isl >= 1, osl >= 1, hit in [0, 1], seconds > 0; got {rate}, {isl}, {osl}, {hit}, {seconds}")
+    rng = random.Random(seed)
+    shared = round(hit * isl / block_size)
+    blocks = -(-isl // block_size)
+    out: list[dict[str, Any]] = []
+    t, fresh = 0.0, shared
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        ids = list(range(shared)) + list(range(fresh, fresh + blocks - shared))
+        fresh += blocks - shared
+        out.append({"timestamp": int(t * 1000), "input_length": isl, "output_length": osl, "hash_ids": ids})

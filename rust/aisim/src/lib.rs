@@ -9,4 +9,4 @@ pub mod run;
 
 pub use engine::{EngineModel, PolyFit, Timing, BUILTIN};
 pub use metrics::{RequestRecord, Slo, Summary};
-pub use run::{load_trace, run, trace_from_rows, Placer, RunResult, RunSpec, Topology, TRACE_BLOCK_SIZE};
+pub use run::{load_trace, run, trace_from_rows, trace_from_rows_in_blocks, Placer, RunResult, RunSpec, Topology, TRACE_BLOCK_SIZE};

@@ -140,9 +140,16 @@ pub fn load_trace(path: &Path, speedup: f64) -> Result<Trace> {
 
 /// The same from rows already in memory.
 pub fn trace_from_rows(rows: Vec<MooncakeRow>, speedup: f64) -> Result<Trace> {
+    trace_from_rows_in_blocks(rows, TRACE_BLOCK_SIZE, speedup)
+}
+
+/// Rows whose `hash_ids` name blocks of `block_size` tokens (Mooncake's are 512; a generator may
+/// use the engines' block size to place shared prefixes more finely).
+pub fn trace_from_rows_in_blocks(rows: Vec<MooncakeRow>, block_size: usize, speedup: f64) -> Result<Trace> {
     ensure!(!rows.is_empty(), "the trace has no requests");
+    ensure!(block_size >= 1, "the trace's block size must be >= 1, got {block_size}");
     ensure!(speedup.is_finite() && speedup > 0.0, "speedup must be a finite number > 0, got {speedup}");
-    Trace::from_mooncake_rows(rows, TRACE_BLOCK_SIZE)?.speed_up_timing(speedup)
+    Trace::from_mooncake_rows(rows, block_size)?.speed_up_timing(speedup)
 }
 
 struct KvrouteComposition {

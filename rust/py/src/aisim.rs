@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use kvroute_aisim::{load_trace, run, trace_from_rows, Placer, RunSpec};
+use kvroute_aisim::{load_trace, run, trace_from_rows_in_blocks, Placer, RunSpec, TRACE_BLOCK_SIZE};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -14,9 +14,10 @@ use crate::router::PyRouter;
 /// Replays a Mooncake-format trace (`trace_path`, or the same rows as JSON lines in
 /// `trace_jsonl`) on an AISimulate cluster described by `spec_json` (a `RunSpec`: engine,
 /// topology, slo), placed by `router` (a fresh `Router` with no workers) or, when None, by round
-/// robin. Returns the `RunResult` as JSON (summary and per-request records).
+/// robin. Returns the `RunResult` as JSON (summary and per-request records). `trace_block_size`:
+/// tokens per `hash_ids` entry of `trace_jsonl` rows (Mooncake's 512 by default).
 #[pyfunction]
-#[pyo3(signature = (spec_json, *, router = None, trace_path = None, trace_jsonl = None, speedup = 1.0))]
+#[pyo3(signature = (spec_json, *, router = None, trace_path = None, trace_jsonl = None, speedup = 1.0, trace_block_size = TRACE_BLOCK_SIZE))]
 pub fn aisim_replay(
     py: Python<'_>,
     spec_json: &str,
@@ -24,6 +25,7 @@ pub fn aisim_replay(
     trace_path: Option<PathBuf>,
     trace_jsonl: Option<String>,
     speedup: f64,
+    trace_block_size: usize,
 ) -> PyResult<String> {
     let spec: RunSpec = serde_json::from_str(spec_json).map_err(|e| PyValueError::new_err(format!("invalid aisim spec: {e}")))?;
     spec.engine.validate().map_err(|e| PyValueError::new_err(format!("{e:#}")))?;
@@ -39,7 +41,7 @@ pub fn aisim_replay(
                 for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
                     rows.push(serde_json::from_str(line).map_err(|e| (true, format!("trace line {}: {e}", i + 1)))?);
                 }
-                trace_from_rows(rows, speedup).map_err(|e| (true, format!("{e:#}")))?
+                trace_from_rows_in_blocks(rows, trace_block_size, speedup).map_err(|e| (true, format!("{e:#}")))?
             }
             _ => return Err((true, "give the trace as trace_path or trace_jsonl (one of them)".into())),
         };
