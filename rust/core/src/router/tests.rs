@@ -1184,23 +1184,21 @@ fn token_share_bound_is_validated() {
     }
 }
 
+/// Two unified "cache_only" workers with `spec`, ties to the lowest id, rejection as given.
+fn two_unified(reject: bool, spec: WorkerSpec) -> Router {
+    let cfg =
+        RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, pending_prefixes: false, reject, ..Default::default() };
+    let r = Router::new(cfg, None).unwrap();
+    for w in 0..2 {
+        r.add_worker(w, spec.clone()).unwrap();
+    }
+    r
+}
+
 #[test]
 fn unified_workers_without_kv_room_are_avoided_and_a_cached_prefix_needs_no_new_room() {
-    let kv = |r: &Router| {
-        for w in 0..2 {
-            r.add_worker(w, WorkerSpec { kv_capacity_blocks: Some(1000), ..Default::default() }).unwrap();
-        }
-    };
     for reject in [true, false] {
-        let cfg = RouterConfig {
-            policy: "cache_only".into(),
-            tie_break: TieBreak::Lowest,
-            pending_prefixes: false,
-            reject,
-            ..Default::default()
-        };
-        let r = Router::new(cfg, None).unwrap();
-        kv(&r);
+        let r = two_unified(reject, WorkerSpec { kv_capacity_blocks: Some(1000), ..Default::default() });
         // A 640-block prompt, 600 blocks of it cached on worker 1: there it needs 40 + output, not 640.
         let p = prompt(9, 640 * 64);
         store(&r, 1, &p[..600 * 64]);
@@ -1227,17 +1225,7 @@ fn unified_workers_without_kv_room_are_avoided_and_a_cached_prefix_needs_no_new_
 #[test]
 fn a_unified_worker_without_a_seat_is_chosen_only_when_none_has_one() {
     for reject in [false, true] {
-        let cfg = RouterConfig {
-            policy: "cache_only".into(),
-            tie_break: TieBreak::Lowest,
-            pending_prefixes: false,
-            reject,
-            ..Default::default()
-        };
-        let r = Router::new(cfg, None).unwrap();
-        for w in 0..2 {
-            r.add_worker(w, WorkerSpec { max_running: Some(2), ..Default::default() }).unwrap();
-        }
+        let r = two_unified(reject, WorkerSpec { max_running: Some(2), ..Default::default() });
         let p = prompt(11, 64 * 8);
         store(&r, 1, &p);
         let go = |id: u64, now: f64| {
