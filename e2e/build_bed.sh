@@ -59,9 +59,10 @@ if [ ! -f "$BED/model/config.json" ]; then
   "$BED/venv/bin/python" tests/vllm_bed.py model "$BED/model.tmp"
   rm -rf "$BED/model" && mv "$BED/model.tmp" "$BED/model"
 fi
-# This checkout's kvroute (release build; cargo's target/ keeps it incremental) and its test extra.
+# This checkout's kvroute with the realistic engine model (release build; cargo's target/ keeps it
+# incremental) and its test extra.
 rm -rf "$BED/dist"
-VIRTUAL_ENV="$BED/venv" "$BED/venv/bin/maturin" build -q --release -i "$BED/venv/bin/python" -o "$BED/dist"
+VIRTUAL_ENV="$BED/venv" "$BED/venv/bin/maturin" build -q --release --features aisim -i "$BED/venv/bin/python" -o "$BED/dist"
 kv=$(ls "$BED"/dist/kvroute-*.whl)
 "$BED/venv/bin/pip" install -q --force-reinstall --no-deps "$kv"
 # Its extras, constrained like the integrations' hosts. The litellm extra brings what the LiteLLM proxy
