@@ -13,7 +13,7 @@ build:
 test: test-rust
 	$(PY) -m pytest
 test-rust:
-	cargo test -p kvroute-core
+	cargo test -p kvroute-core -p kvroute-aisim
 lint:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
