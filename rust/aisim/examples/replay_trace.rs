@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
             Err(_) => Topology::Aggregated { workers },
         },
         slo: Slo { ttft_ms: Some(2_000.0), itl_ms: Some(200.0) },
-        typical_prompt_tokens: 4096.0,
+        typical_prompt_tokens: std::env::var("KVROUTE_TYPICAL").ok().and_then(|v| v.parse().ok()),
         metrics_interval_ms: std::env::var("KVROUTE_POLL_MS").map_or(Some(1_000.0), |v| v.parse().ok()),
     };
     let trace = load_trace(std::path::Path::new(&a[1]), speedup)?;

@@ -65,9 +65,10 @@ pub struct RunSpec {
     #[serde(default)]
     pub slo: Slo,
     /// Typical prompt length, tokens: where the Router's prefill speed is read off the timing fit,
-    /// and the context its decode speed assumes (`EngineModel::decode_tokens_per_s`).
-    #[serde(default = "typical")]
-    pub typical_prompt_tokens: f64,
+    /// and the context its decode speed assumes (`EngineModel::decode_tokens_per_s`). None: the
+    /// trace's mean prompt length (what an operator calibrating the Router on this workload gets).
+    #[serde(default)]
+    pub typical_prompt_tokens: Option<f64>,
     /// How often the engines' load (waiting and running requests, KV usage) reaches the Router,
     /// ms of simulated time: what a gateway's /metrics poller does. None: never.
     #[serde(default = "metrics_interval")]
@@ -110,14 +111,20 @@ impl ReplayTelemetryObserver for LoadPoller {
     }
 }
 
-fn typical() -> f64 {
-    4096.0
-}
-
 impl RunSpec {
     /// A spec with the defaults for everything but the engines, topology and SLOs.
     pub fn new(engine: EngineModel, topology: Topology, slo: Slo) -> Self {
-        RunSpec { engine, topology, slo, typical_prompt_tokens: typical(), metrics_interval_ms: metrics_interval() }
+        RunSpec { engine, topology, slo, typical_prompt_tokens: None, metrics_interval_ms: metrics_interval() }
+    }
+}
+
+/// The trace's mean prompt length, tokens (4,096 for an empty trace).
+fn mean_prompt(trace: &Trace) -> f64 {
+    let (n, sum) = trace.sessions.iter().flat_map(|s| &s.turns).fold((0usize, 0usize), |(n, s), t| (n + 1, s + t.input_length));
+    if n == 0 {
+        4096.0
+    } else {
+        sum as f64 / n as f64
     }
 }
 
@@ -228,6 +235,8 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
     spec_.topology.validate()?;
     let block_size = spec_.engine.block_size;
     let start = Instant::now();
+    let typical = spec_.typical_prompt_tokens.unwrap_or_else(|| mean_prompt(&trace));
+    ensure!(typical.is_finite() && typical >= 1.0, "typical_prompt_tokens must be a finite number >= 1, got {typical}");
     let driver = trace.into_trace_driver_with_block_size(block_size)?;
     let input = ReplayRuntimeInput::Workload(driver);
     let (report, rejected, predicted, errors): (ReplayReport, hashbrown::HashSet<uuid::Uuid>, hashbrown::HashMap<uuid::Uuid, f64>, _) =
@@ -263,10 +272,10 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                 );
                 }
                 let worker = WorkerSpec {
-                    prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(spec_.typical_prompt_tokens),
+                    prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(typical),
                     kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
                     prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                    decode_tokens_per_s: spec_.engine.decode_tokens_per_s(spec_.typical_prompt_tokens),
+                    decode_tokens_per_s: spec_.engine.decode_tokens_per_s(typical),
                     max_running: Some(spec_.engine.max_num_seqs.min(u32::MAX as usize) as u32),
                     ..Default::default()
                 };

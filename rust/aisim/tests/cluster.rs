@@ -32,7 +32,7 @@ fn rows(groups: u64, per_group: u64, gap_ms: f64, output: usize) -> Vec<Mooncake
 
 fn spec(topology: Topology) -> RunSpec {
     let engine = EngineModel { num_gpu_blocks: 2048, timing: Timing::Fixed { prefill_ms: 20.0, decode_ms: 5.0 }, ..Default::default() };
-    RunSpec { typical_prompt_tokens: 2560.0, ..RunSpec::new(engine, topology, Slo { ttft_ms: Some(1_000.0), itl_ms: None }) }
+    RunSpec { typical_prompt_tokens: Some(2560.0), ..RunSpec::new(engine, topology, Slo { ttft_ms: Some(1_000.0), itl_ms: None }) }
 }
 
 fn router(policy: &str, ttft_slo: Option<f64>) -> Arc<Router> {
