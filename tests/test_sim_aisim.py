@@ -134,3 +134,19 @@ def test_the_planner_sizes_each_seed_phase_to_its_slos_on_the_realistic_engines(
             fewer.append(0.0)
         assert planned >= 0.99, (ph.name, r)
         assert min(fewer) < 0.99, (ph.name, r)
+
+
+@needs_aisim
+def test_the_committed_aiconfigurator_fit_drives_the_engines() -> None:
+    """benches/aic_fit.py's output for Qwen3-32B on two H100s (vLLM) loads as a PolyFit and times
+    the engines: slower prefill than AISimulate's built-in fit, so the same trace waits longer."""
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benches", "data", "aic_qwen3-32b_h100-sxm_tp2_vllm.json"
+    )
+    with open(path) as f:
+        fit = PolyFit(**json.load(f))
+    trace = small_trace(rate=2.0, requests=120)
+    aic = replay(trace, router=None, workers=2, engine=EngineModel(timing=fit))
+    builtin = replay(trace, router=None, workers=2)
+    assert aic.summary["completed"] == builtin.summary["completed"] == 120
+    assert aic.summary["ttft_mean_ms"] > builtin.summary["ttft_mean_ms"]
