@@ -148,7 +148,6 @@ def run_case(case: Case, seed: int, path: str, speedup: float, policy: str) -> l
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
             d_ = json.loads(line)
-            d_.pop("ttft_ms", None)
             label = placement if router is None else (f"{placement}" if router.get("reject", True) else f"{placement} (no reject)")
             rows.append({"case": case.name, "trace": case.trace, "split": case.split, "seed": seed, "label": label, **d_})
     return rows

@@ -186,12 +186,9 @@ fn main() -> Result<()> {
         };
         let wall_s = start.elapsed().as_secs_f64();
         let summary = Summary::of(&records, a.slo);
-        // Per-request TTFTs (ms; null for rejected) in arrival order, for paired comparisons.
-        let ttft: Vec<Option<f64>> = records.iter().map(|r| r.ttft_ms).collect();
         println!(
             "{}",
-            json!({"placement": name, "topology": a.topology, "speedup": a.speedup, "seed": a.seed, "wall_s": wall_s,
-                   "summary": summary, "ttft_ms": ttft})
+            json!({"placement": name, "topology": a.topology, "speedup": a.speedup, "seed": a.seed, "wall_s": wall_s, "summary": summary})
         );
     }
     Ok(())

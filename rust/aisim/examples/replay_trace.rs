@@ -33,18 +33,11 @@ fn main() -> anyhow::Result<()> {
             policy: a[4].clone(),
             block_size: spec.engine.block_size,
             ttft_slo: Some(2.0),
+            reject: std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0"),
             link_latency_s: 0.0,
             ..Default::default()
         };
         Placer::Kvroute(Arc::new(Router::new(cfg, None)?))
-    };
-    let reject = std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0");
-    let placer = match placer {
-        Placer::Kvroute(r) if !reject => {
-            let cfg = RouterConfig { reject: false, ..r.config().clone() };
-            Placer::Kvroute(Arc::new(Router::new(cfg, None)?))
-        }
-        p => p,
     };
     let r = run(&spec, placer, trace)?;
     println!("{}", serde_json::to_string_pretty(&r.summary)?);

@@ -69,8 +69,9 @@ impl PolyFit {
             ensure!(v.is_finite(), "timing.{name} must be a finite number, got {v}");
         }
         ensure!(self.decode_min_ms > 0.0, "timing.decode_min_ms must be > 0, got {}", self.decode_min_ms);
-        // A fit that predicts a negative or zero pass time somewhere in the range an engine runs
-        // would stall the simulation; check the ends and the vertex of both parabolas.
+        // A prefill fit that predicts a negative or zero pass time somewhere in the range an engine
+        // runs would stall the simulation; check both ends of that range (a decode step is held at
+        // `decode_min_ms` or more).
         for t in [1.0, 131_072.0] {
             let ms = self.prefill_ms(t);
             ensure!(ms > 0.0, "timing: the prefill fit predicts {ms} ms for {t} tokens; expected > 0");

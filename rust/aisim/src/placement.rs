@@ -31,9 +31,9 @@ use uuid::Uuid;
 /// scheduler id), so the two pools never share an id in the one Router.
 pub const DECODE_BASE: WorkerId = 1 << 32;
 
-/// The KV events one engine pass published: (stage, logical worker, data-parallel rank, events).
+/// The KV events engine passes published: (logical worker, its events; each event names its rank).
 #[derive(Debug, Default)]
-pub struct KvEventBatch(pub Vec<(WorkerStage, usize, u32, Vec<KvEvent>)>);
+pub struct KvEventBatch(pub Vec<(usize, Vec<KvEvent>)>);
 
 impl EngineEventBatch for KvEventBatch {
     fn is_empty(&self) -> bool {
@@ -57,31 +57,38 @@ impl ReplayEngineObservation for KvEventObservation {
         !matches!(stage, WorkerStage::Decode)
     }
 
-    fn observe_engine_events(stage: WorkerStage, worker_id: usize, dp_rank: u32, events: Vec<KvEvent>) -> KvEventBatch {
+    fn observe_engine_events(stage: WorkerStage, worker_id: usize, _dp_rank: u32, events: Vec<KvEvent>) -> KvEventBatch {
         if matches!(stage, WorkerStage::Decode) || events.is_empty() {
             return KvEventBatch::default();
         }
-        KvEventBatch(vec![(stage, worker_id, dp_rank, events)])
+        KvEventBatch(vec![(worker_id, events)])
     }
 }
 
-/// What one run's placements share: the Router, request ids, the PD pairs in flight, and who was
-/// rejected.
+/// What the Router decided for one request.
+#[derive(Clone, Copy, Debug)]
+pub struct Routed {
+    /// Its predicted TTFT, seconds.
+    pub predicted_ttft: f64,
+    /// False: rejected (sent to a sink).
+    pub admitted: bool,
+}
+
+/// What one run's placements share: the Router, request ids, the PD pairs in flight, and what was
+/// decided for every request.
 pub struct Shared {
     router: Arc<Router>,
     block_size: usize,
     hash_seed: u64,
-    /// Replay request -> Router request id, and the decode worker chosen with it (PD).
+    /// Replay request -> Router request id, and the decode worker chosen with it (PD), while in flight.
     requests: HashMap<Uuid, (u64, Option<WorkerId>)>,
     next_id: u64,
-    /// Requests the Router rejected (sent to a sink).
-    pub rejected: hashbrown::HashSet<Uuid>,
-    /// The Router's predicted TTFT of every request it placed or rejected, seconds.
-    pub predicted_ttft: HashMap<Uuid, f64>,
+    /// Every request the Router placed or rejected.
+    pub routed: HashMap<Uuid, Routed>,
     /// Scheduler id of each pool's sink, once the pool's workers are known.
     sinks: [Option<usize>; 2],
-    /// Worker spec per pool (prefill or unified, decode).
-    specs: [WorkerSpec; 2],
+    /// Every worker's spec (the role is set per pool).
+    spec: WorkerSpec,
     pd: bool,
     batch: DecodedBatch,
     seqs: Vec<u64>,
@@ -91,7 +98,7 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(router: Arc<Router>, pd: bool, prefill: WorkerSpec, decode: WorkerSpec) -> Rc<RefCell<Shared>> {
+    pub fn new(router: Arc<Router>, pd: bool, spec: WorkerSpec) -> Rc<RefCell<Shared>> {
         let cfg = router.config();
         let (block_size, hash_seed) = (cfg.block_size, cfg.hash_seed);
         Rc::new(RefCell::new(Shared {
@@ -100,10 +107,9 @@ impl Shared {
             hash_seed,
             requests: HashMap::new(),
             next_id: 0,
-            rejected: Default::default(),
-            predicted_ttft: HashMap::new(),
+            routed: HashMap::new(),
             sinks: [None, None],
-            specs: [prefill, decode],
+            spec,
             pd,
             batch: DecodedBatch::default(),
             seqs: Vec::new(),
@@ -159,12 +165,13 @@ pub struct KvroutePlacement {
     shared: Rc<RefCell<Shared>>,
     /// Unified/prefill pool (0) or decode pool (1).
     pool: usize,
-    /// Workers of this pool, by scheduler id, before the sink is chosen.
+    /// The pool's workers registered with the Router, by scheduler id (the sink is not one).
     workers: Vec<usize>,
 }
 
 impl KvroutePlacement {
-    /// `topology` is the pool's workers; the last one is the pool's sink (see the module docs).
+    /// `topology` is the pool's workers; the one with the highest id is the pool's sink (see the
+    /// module docs), the others are registered with the Router.
     pub fn new(shared: Rc<RefCell<Shared>>, pool: usize, topology: &[WorkerTopology]) -> Result<Self> {
         for w in topology {
             if w.scheduler_ids != [w.worker_id] {
@@ -215,7 +222,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
             // Decode pool: the worker chosen with the prefill, or the sink for a rejected request.
             let scheduler = match sh.requests.get(&uuid) {
                 Some((_, Some(d))) => (d - DECODE_BASE) as usize,
-                _ if sh.rejected.contains(&uuid) => sink,
+                _ if sh.routed.get(&uuid).is_some_and(|r| !r.admitted) => sink,
                 _ => bail!("decode placement for request {uuid}, which was never routed to a prefill worker"),
             };
             return Ok(PlacementEffects {
@@ -234,7 +241,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
             output_tokens: Some(out),
             ..Default::default()
         })?;
-        sh.predicted_ttft.insert(uuid, d.predicted_ttft);
+        sh.routed.insert(uuid, Routed { predicted_ttft: d.predicted_ttft, admitted: d.admitted });
         let scheduler = if d.admitted {
             sh.requests.insert(uuid, (rid, d.decode_worker));
             if sh.pd && d.decode_worker.is_none() {
@@ -242,7 +249,6 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
             }
             d.worker as usize
         } else {
-            sh.rejected.insert(uuid);
             sink
         };
         let overlap = d.overlap_blocks as usize * sh.block_size;
@@ -252,7 +258,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
     fn observe(&mut self, batch: KvEventBatch, _now_ms: f64) -> Result<Vec<Placement>> {
         let mut sh = self.shared.borrow_mut();
         let sink = sh.sinks[self.pool];
-        for (_stage, worker, _rank, events) in batch.0 {
+        for (worker, events) in batch.0 {
             if Some(worker) == sink {
                 continue;
             }
@@ -301,7 +307,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         if Some(worker.worker_id) == sh.sinks[self.pool] || self.workers.contains(&worker.worker_id) {
             return Ok(Vec::new());
         }
-        let mut spec = sh.specs[self.pool].clone();
+        let mut spec = sh.spec.clone();
         spec.role = match (sh.pd, self.pool) {
             (false, _) => Role::Both,
             (true, 0) => Role::Prefill,

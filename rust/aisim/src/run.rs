@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineModel;
 use crate::metrics::{RequestRecord, Slo, Summary};
-use crate::placement::{KvEventObservation, KvroutePlacement, Shared, DECODE_BASE};
+use crate::placement::{KvEventObservation, KvroutePlacement, Routed, Shared, DECODE_BASE};
 
 /// Tokens per `hash_ids` entry in Mooncake-format traces.
 pub const TRACE_BLOCK_SIZE: usize = 512;
@@ -239,30 +239,29 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
     ensure!(typical.is_finite() && typical >= 1.0, "typical_prompt_tokens must be a finite number >= 1, got {typical}");
     let driver = trace.into_trace_driver_with_block_size(block_size)?;
     let input = ReplayRuntimeInput::Workload(driver);
-    let (report, rejected, predicted, errors): (ReplayReport, hashbrown::HashSet<uuid::Uuid>, hashbrown::HashMap<uuid::Uuid, f64>, _) =
-        match placer {
-            Placer::RoundRobin => {
-                let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
-                    .with_runtime_input(input)
-                    .run()?;
-                (r, Default::default(), Default::default(), Vec::new())
+    let (report, routed, errors): (ReplayReport, hashbrown::HashMap<uuid::Uuid, Routed>, _) = match placer {
+        Placer::RoundRobin => {
+            let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
+                .with_runtime_input(input)
+                .run()?;
+            (r, Default::default(), Vec::new())
+        }
+        Placer::Kvroute(router) => {
+            let cfg = router.config();
+            if cfg.block_size != block_size {
+                bail!("the Router's block_size ({}) must be the engines' ({block_size})", cfg.block_size);
             }
-            Placer::Kvroute(router) => {
-                let cfg = router.config();
-                if cfg.block_size != block_size {
-                    bail!("the Router's block_size ({}) must be the engines' ({block_size})", cfg.block_size);
-                }
-                if !router.workers().is_empty() {
-                    bail!("give the run a fresh Router: this one has workers already (the run registers the cluster's)");
-                }
-                let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
-                let link = spec_.engine.kv_transfer_gb_s * 1e9;
-                if pd
-                    && (cfg.kv_bytes_per_token != spec_.engine.kv_bytes_per_token as f64
-                        || cfg.link_bytes_per_s != link
-                        || cfg.link_latency_s != 0.0)
-                {
-                    bail!(
+            if !router.workers().is_empty() {
+                bail!("give the run a fresh Router: this one has workers already (the run registers the cluster's)");
+            }
+            let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
+            let link = spec_.engine.kv_transfer_gb_s * 1e9;
+            if pd
+                && (cfg.kv_bytes_per_token != spec_.engine.kv_bytes_per_token as f64
+                    || cfg.link_bytes_per_s != link
+                    || cfg.link_latency_s != 0.0)
+            {
+                bail!(
                     "the Router's KV transfer model (kv_bytes_per_token {}, link_bytes_per_s {}, link_latency_s {}) is not the cluster's \
                      ({} bytes per token over {link} bytes/s, no latency): build it with those, or its TTFT predictions miss every transfer",
                     cfg.kv_bytes_per_token,
@@ -270,28 +269,28 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                     cfg.link_latency_s,
                     spec_.engine.kv_bytes_per_token
                 );
-                }
-                let worker = WorkerSpec {
-                    prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(typical),
-                    kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                    prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                    decode_tokens_per_s: spec_.engine.decode_tokens_per_s(typical),
-                    max_running: Some(spec_.engine.max_num_seqs.min(u32::MAX as usize) as u32),
-                    ..Default::default()
-                };
-                let shared = Shared::new(router.clone(), pd, worker.clone(), worker);
-                let comp = KvrouteComposition { shared: shared.clone() };
-                let mut replayer =
-                    Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
-                        .with_runtime_input(input);
-                if let Some(ms) = spec_.metrics_interval_ms {
-                    replayer = replayer.with_telemetry_observer(ms, Box::new(LoadPoller { router, pd }))?;
-                }
-                let r = replayer.run()?;
-                let mut sh = shared.borrow_mut();
-                (r, std::mem::take(&mut sh.rejected), std::mem::take(&mut sh.predicted_ttft), std::mem::take(&mut sh.event_errors))
             }
-        };
+            let worker = WorkerSpec {
+                prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(typical),
+                kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
+                decode_tokens_per_s: spec_.engine.decode_tokens_per_s(typical),
+                max_running: Some(spec_.engine.max_num_seqs.min(u32::MAX as usize) as u32),
+                ..Default::default()
+            };
+            let shared = Shared::new(router.clone(), pd, worker);
+            let comp = KvrouteComposition { shared: shared.clone() };
+            let mut replayer =
+                Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
+                    .with_runtime_input(input);
+            if let Some(ms) = spec_.metrics_interval_ms {
+                replayer = replayer.with_telemetry_observer(ms, Box::new(LoadPoller { router, pd }))?;
+            }
+            let r = replayer.run()?;
+            let mut sh = shared.borrow_mut();
+            (r, std::mem::take(&mut sh.routed), std::mem::take(&mut sh.event_errors))
+        }
+    };
     if let Some(first) = errors.first() {
         bail!("{} KV event batches could not be applied to the Router's index; the first: {first}", errors.len());
     }
@@ -299,11 +298,10 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
         .per_request
         .iter()
         .map(|r| {
-            let id = r.uuid.parse::<uuid::Uuid>().ok();
-            let rej = id.is_some_and(|u| rejected.contains(&u));
+            let decided = r.uuid.parse::<uuid::Uuid>().ok().and_then(|u| routed.get(&u));
             RequestRecord {
-                predicted_ttft_ms: id.and_then(|u| predicted.get(&u)).map(|s| s * 1_000.0),
-                ..RequestRecord::from_aisim(r, rej)
+                predicted_ttft_ms: decided.map(|d| d.predicted_ttft * 1_000.0),
+                ..RequestRecord::from_aisim(r, decided.is_some_and(|d| !d.admitted))
             }
         })
         .collect();
