@@ -219,19 +219,25 @@ impl KvIndex {
         }
         // `decode_batch` checks this for a payload; a batch built in process is checked here, before
         // anything is applied, so a bad batch still leaves the index unchanged.
+        let outside = |i: usize, field: &str| EventError::OutOfRange {
+            at: format!("events[{i}].{field}"),
+            what: "a range inside the batch's buffers",
+        };
         for (i, ev) in batch.events.iter().enumerate() {
-            if let DecodedEvent::Stored { hashes, tokens, .. } = ev {
-                let (blocks, n) = (hashes.len(), tokens.len());
-                if n != blocks * block_size || hashes.end > batch.hashes.len() || tokens.end > batch.tokens.len() {
-                    return Err(EventError::TokenCount { at: format!("events[{i}].token_ids"), tokens: n, blocks, block_size });
-                }
+            let hashes = match ev {
+                DecodedEvent::Stored { hashes, .. } | DecodedEvent::Removed { hashes, .. } => hashes,
+                DecodedEvent::Cleared | DecodedEvent::Skipped => continue,
+            };
+            if hashes.end > batch.hashes.len() {
+                return Err(outside(i, "block_hashes"));
             }
-            if let DecodedEvent::Removed { hashes, .. } = ev {
-                if hashes.end > batch.hashes.len() {
-                    return Err(EventError::OutOfRange {
-                        at: format!("events[{i}].block_hashes"),
-                        what: "a range inside the batch's hashes",
-                    });
+            if let DecodedEvent::Stored { tokens, .. } = ev {
+                if tokens.end > batch.tokens.len() {
+                    return Err(outside(i, "token_ids"));
+                }
+                let (blocks, n) = (hashes.len(), tokens.len());
+                if n != blocks * block_size {
+                    return Err(EventError::TokenCount { at: format!("events[{i}].token_ids"), tokens: n, blocks, block_size });
                 }
             }
         }

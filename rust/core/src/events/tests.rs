@@ -376,6 +376,7 @@ fn apply_decoded_takes_in_process_batches_and_refuses_bad_ones_whole() {
     // A range outside the batch's buffers is refused too.
     let mut oob = DecodedBatch::default();
     oob.events.push(DecodedEvent::Removed { hashes: 0..3, tier: Tier::Device });
-    assert!(idx.apply_decoded(3, &oob, 4, DEFAULT_SEED, &mut seqs, &mut rem).is_err());
+    let e = idx.apply_decoded(3, &oob, 4, DEFAULT_SEED, &mut seqs, &mut rem).unwrap_err();
+    assert!(matches!(e, EventError::OutOfRange { .. }), "{e}");
     assert_eq!(idx.num_blocks(3), 2);
 }

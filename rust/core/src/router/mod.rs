@@ -704,9 +704,7 @@ impl Router {
                 }
                 continue;
             }
-            // Unified: the prefix this worker caches is shared with the request (prefix caching),
-            // so only the rest of the prompt and the output take new KV blocks there.
-            let need_here = kv_need - (st.overlaps[at] as u64).min(kv_need);
+            let need_here = unified_kv_need(kv_need, st.overlaps[at]);
             let unfit = !pd && !decode::admissible(w, need_here, cfg);
             if unfit && cfg.reject {
                 decode_filtered += 1;
@@ -872,8 +870,8 @@ impl Router {
                 dw.active += 1;
             }
             dw.decoding += 1;
-            // Unified: the cached prefix is shared (see the admission test above); PD: the whole KV moves.
-            let kv_blocks = if d_at == p_at { kv_need - (c.overlap_blocks as u64).min(kv_need) } else { kv_need };
+            // PD: the whole KV moves to the decode worker.
+            let kv_blocks = if d_at == p_at { unified_kv_need(kv_need, c.overlap_blocks) } else { kv_need };
             dw.decode_blocks += kv_blocks;
             st.requests.insert(
                 id,
@@ -1016,6 +1014,13 @@ impl Router {
         let recompute = workers[pos[&chosen.worker]].token_time(extra);
         (self.cfg.transfer_time(extra) < recompute).then_some(holder.worker)
     }
+}
+
+/// The KV blocks a request needing `kv_need` takes on a unified worker that caches its first
+/// `overlap` blocks: the cached prefix is shared with the request (prefix caching), so only the rest
+/// of the prompt and the output take new blocks there.
+fn unified_kv_need(kv_need: u64, overlap: u32) -> u64 {
+    kv_need - (overlap as u64).min(kv_need)
 }
 
 /// No SLO, or `v` keeps it.
