@@ -83,11 +83,10 @@ def cases(quick: bool) -> list[Case]:
 
 
 def conversation_path() -> str | None:
+    from kvroute.sim.suite import mooncake_path
     from kvroute.sim.trace import find_shared_dir
 
-    shared = find_shared_dir(ROOT)
-    p = os.path.join(shared, "traces", "mooncake_conversation_trace.jsonl") if shared else None
-    return p if p and os.path.exists(p) else None
+    return mooncake_path(find_shared_dir(ROOT))
 
 
 def write_rows(rows: list[dict[str, Any]], path: str) -> None:
@@ -112,23 +111,19 @@ def trace_file(case: Case, seed: int, tmp: str, conversation: list[dict[str, Any
     return path, 1.0
 
 
-def peak_prefill_tokens_per_s(budget: int = 8192) -> float:
-    """The most prompt tokens per second one default engine can prefill: the best pass size under
-    the step budget for AISimulate's built-in fit (decode steps beside it only lower it)."""
-    from kvroute.sim.aisim import BUILTIN_FIT as f
-
-    return max(t * 1000.0 / (f.prefill_a * t * t + f.prefill_b * t + f.prefill_c) for t in range(64, budget + 1, 64))
-
-
 def upper_bound(case: Case, path: str, speedup: float) -> float:
     """A TTFT-attainment limit no router can beat on this case (kvroute.sim.limit's counting
     argument: least work against the prefill pool's peak capacity); goodput is at most this."""
     from kvroute.sim import ClusterConfig, load_trace
+    from kvroute.sim.aisim import EngineModel, engine_caps
     from kvroute.sim.limit import attainment_limit
 
     w = load_trace(path, speedup=speedup)
     prefill = case.topology[0]
-    cl = ClusterConfig(instances=prefill, speed=peak_prefill_tokens_per_s(), slo=TTFT_SLO_MS / 1000.0)
+    # The most prompt tokens per second one default engine can prefill: its best pass under the
+    # step budget (decode steps beside it only lower it).
+    peak = engine_caps(EngineModel(), 1, 1).p_cap
+    cl = ClusterConfig(instances=prefill, speed=peak, slo=TTFT_SLO_MS / 1000.0)
     return attainment_limit(w, cl).attainment
 
 
@@ -140,7 +135,9 @@ def run_case(case: Case, seed: int, path: str, speedup: float, policy: str) -> l
     w, d = case.topology
     topo = ["--disagg", f"{w},{d}"] if d else ["--workers", str(w)]
     rows = []
-    for placement, router in ((f"kvroute:{policy}", {}), (f"kvroute:{policy}", {"reject": False}), ("dynamo", None), ("round_robin", None)):
+    kv = f"kvroute:{policy}"
+    runs = ((kv, kv, {}), (f"{kv} (no reject)", kv, {"reject": False}), ("dynamo", "dynamo", None), ("round_robin", "round_robin", None))
+    for label, placement, router in runs:
         cmd = [RACE_BIN, "--trace", path, *topo, "--speedup", str(speedup), "--seed", str(seed)]
         cmd += ["--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_MS), "--placements", placement]
         if router is not None:
@@ -148,7 +145,6 @@ def run_case(case: Case, seed: int, path: str, speedup: float, policy: str) -> l
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
             d_ = json.loads(line)
-            label = placement if router is None else (f"{placement}" if router.get("reject", True) else f"{placement} (no reject)")
             rows.append({"case": case.name, "trace": case.trace, "split": case.split, "seed": seed, "label": label, **d_})
     return rows
 

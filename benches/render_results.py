@@ -35,8 +35,22 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 LABELS = {"round_robin": "round robin", "dynamo": "Dynamo KV router", "upper bound": "upper bound (TTFT, no router can beat)"}
 
+#: A results file's runs grouped: (split, case) in first-seen order -> label -> seed -> summary.
+Grouped = tuple[list[tuple[str, str]], dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]]]
 
-def _label(raw: str, policy: str) -> str:
+
+def _by_case(res: dict[str, Any]) -> Grouped:
+    by: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    order: list[tuple[str, str]] = []
+    for r in res["rows"]:
+        key = (r["split"], r["case"])
+        if key not in by:
+            order.append(key)
+        by[key][r["label"]][r["seed"]] = r["summary"]
+    return order, by
+
+
+def _label(raw: str) -> str:
     if raw.startswith("kvroute:"):
         rest = raw[len("kvroute:") :]
         return f"kvroute {rest}" + ("" if "no reject" in rest else " + rejection")
@@ -46,13 +60,7 @@ def _label(raw: str, policy: str) -> str:
 def aisim_suite(res: dict[str, Any]) -> str:
     """Per case: mean over seeds of goodput, TTFT mean/p99 and ITL p99 for each placement, and the
     verdict of kvroute's default against Dynamo (goodput with rejection, TTFT p99 without)."""
-    by: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    order: list[tuple[str, str]] = []
-    for r in res["rows"]:
-        key = (r["split"], r["case"])
-        if key not in by:
-            order.append(key)
-        by[key][r["label"]].append(r["summary"])
+    order, by = _by_case(res)
     policy = res["default_policy"]
     slo = res["slo"]
     out = [
@@ -65,7 +73,8 @@ def aisim_suite(res: dict[str, Any]) -> str:
     ]
     for split in ("tuning", "held-out"):
         for key in [k for k in order if k[0] == split]:
-            for label, sums in by[key].items():
+            for label, per_seed in by[key].items():
+                sums = list(per_seed.values())
 
                 def m(f: str, scale: float = 1.0, sums: list[dict[str, Any]] = sums, fmt: str = ".2f") -> str:
                     vals = [s[f] for s in sums if s.get(f) is not None]
@@ -73,10 +82,10 @@ def aisim_suite(res: dict[str, Any]) -> str:
 
                 g, se = _mean_se([s["goodput_share"] * 100 for s in sums])
                 if label == "upper bound":
-                    out.append(f"| {split} | {key[1]} | {_label(label, policy)} | {g:.1f}% | | | | | | | | | |")
+                    out.append(f"| {split} | {key[1]} | {_label(label)} | {g:.1f}% | | | | | | | | | |")
                     continue
                 out.append(
-                    f"| {split} | {key[1]} | {_label(label, policy)} | {g:.1f}% ± {se:.1f} | {m('ttft_mean_ms', 1e-3)} | "
+                    f"| {split} | {key[1]} | {_label(label)} | {g:.1f}% ± {se:.1f} | {m('ttft_mean_ms', 1e-3)} | "
                     f"{m('ttft_p50_ms', 1e-3)} | {m('ttft_p99_ms', 1e-3)} | {m('itl_p50_ms')} | {m('itl_p99_ms')} | "
                     f"{m('output_tok_s', fmt='.0f')} | {m('prefix_hit_rate', 100)}% | {m('preemptions', fmt='.0f')} | {m('rejected_share', 100)}% |"
                 )
@@ -88,7 +97,7 @@ def aisim_speed(res: dict[str, Any]) -> str:
     out = ["| placement | requests | wall s (median of 3) | simulated s | simulated / wall |", "|---|---:|---:|---:|---:|"]
     for r in res["rows"]:
         out.append(
-            f"| {_label(r['placement'], '').replace(' + rejection', '')} | {r['requests']} | {r['wall_s']:.1f} | {r['sim_s']:.0f} | {r['sim_per_wall']:.0f}x |"
+            f"| {_label(r['placement']).replace(' + rejection', '')} | {r['requests']} | {r['wall_s']:.1f} | {r['sim_s']:.0f} | {r['sim_per_wall']:.0f}x |"
         )
     out += ["", f"`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}."]
     return "\n".join(out) + "\n"
@@ -96,14 +105,15 @@ def aisim_speed(res: dict[str, Any]) -> str:
 
 def aisim_headline(res: dict[str, Any]) -> str:
     """README: the held-out cases at their highest load, kvroute's default against Dynamo and round robin."""
+    order, by = _by_case(res)
     top: dict[str, tuple[float, str]] = {}
-    for r in res["rows"]:
-        if r["split"] != "held-out":
+    for split, case in order:
+        if split != "held-out":
             continue
-        group = r["case"].rsplit(" ", 1)[0]
-        load = float(r["case"].rsplit(" ", 1)[1].rstrip("x/s"))
+        group, load_text = case.rsplit(" ", 1)
+        load = float(load_text.rstrip("x/s"))
         if group not in top or load > top[group][0]:
-            top[group] = (load, r["case"])
+            top[group] = (load, case)
     cases = [c for _, c in top.values()]
     policy = res["default_policy"]
     want = [(f"kvroute:{policy}", "kvroute"), ("dynamo", "Dynamo KV router"), ("round_robin", "round robin")]
@@ -113,15 +123,11 @@ def aisim_headline(res: dict[str, Any]) -> str:
     ]
     for case in cases:
         cells, means = [], []
+        labs = by[("held-out", case)]
         for label, _ in want:
-            sums = [r["summary"] for r in res["rows"] if r["case"] == case and r["label"] == label]
-            g, se = _mean_se([s["goodput_share"] * 100 for s in sums])
+            g, se = _mean_se([s["goodput_share"] * 100 for s in labs[label].values()])
             cells.append(f"{g:.1f}% ± {se:.1f}")
-            no_rej = [
-                r["summary"]
-                for r in res["rows"]
-                if r["case"] == case and r["label"] == (label + " (no reject)" if label.startswith("kvroute") else label)
-            ]
+            no_rej = labs[label + " (no reject)" if label.startswith("kvroute") else label].values()
             vals = [s["ttft_mean_ms"] / 1000 for s in no_rej if s.get("ttft_mean_ms") is not None]
             means.append(f"{sum(vals) / len(vals):.2f}" if vals else "-")
         out.append(f"| {case} | " + " | ".join(cells) + f" | {' / '.join(means)} |")
@@ -136,24 +142,14 @@ def aisim_headline(res: dict[str, Any]) -> str:
 
 def _paired(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], field: str) -> tuple[float, float]:
     ds = [a[s][field] - b[s][field] for s in a if s in b and a[s].get(field) is not None and b[s].get(field) is not None]
-    if not ds:
-        return math.nan, math.nan
-    m = sum(ds) / len(ds)
-    se = math.sqrt(sum((d - m) ** 2 for d in ds) / (len(ds) - 1) / len(ds)) if len(ds) > 1 else 0.0
-    return m, se
+    return _mean_se(ds) if ds else (math.nan, math.nan)
 
 
 def aisim_verdict(res: dict[str, Any]) -> str:
     """kvroute's default against Dynamo's KV router, paired over seeds, per case: goodput with
     early rejection (as it ships) and TTFT p99 without it (every request timed); a loss counts
     when it is beyond 2 SE."""
-    by: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
-    order: list[tuple[str, str]] = []
-    for r in res["rows"]:
-        key = (r["split"], r["case"])
-        if key not in by:
-            order.append(key)
-        by[key][r["label"]][r["seed"]] = r["summary"]
+    order, by = _by_case(res)
     pol = f"kvroute:{res['default_policy']}"
     out = [
         "| split | case | goodput, kvroute - Dynamo (points) | TTFT p99, kvroute - Dynamo (s) | verdict |",
@@ -185,8 +181,13 @@ def aisim_verdict(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"aisim_suite": aisim_suite, "aisim_speed": aisim_speed}
-HEADLINES = {"aisim_headline": ("aisim_suite", aisim_headline), "aisim_verdict": ("aisim_suite", aisim_verdict)}
+#: Block name -> (the results file's "benchmark", the renderer).
+RENDERERS = {
+    "aisim_suite": ("aisim_suite", aisim_suite),
+    "aisim_speed": ("aisim_speed", aisim_speed),
+    "aisim_headline": ("aisim_suite", aisim_headline),
+    "aisim_verdict": ("aisim_suite", aisim_verdict),
+}
 
 
 def render_all() -> dict[str, str]:
@@ -194,11 +195,8 @@ def render_all() -> dict[str, str]:
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
         with open(path) as f:
             res = json.load(f)
-        name = res.get("benchmark")
-        if name in RENDERERS:
-            out[name] = RENDERERS[name](res)
-        for block, (source, fn) in HEADLINES.items():
-            if name == source:
+        for block, (source, fn) in RENDERERS.items():
+            if res.get("benchmark") == source:
                 out[block] = fn(res)
     return out
 

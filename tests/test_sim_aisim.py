@@ -14,6 +14,7 @@ from kvroute import KvrouteError
 from kvroute.cli import main
 from kvroute.sim import synthetic_trace
 from kvroute.sim.aisim import HAS_AISIM, EngineModel, PolyFit, replay, router_for
+from kvroute.sim.suite import mooncake_path
 from kvroute.sim.trace import find_shared_dir
 
 needs_aisim = pytest.mark.skipif(
@@ -108,9 +109,8 @@ def test_cli_engine_aisim_prints_each_policy_against_round_robin(capsys: pytest.
 
 @needs_aisim
 def test_the_mooncake_conversation_trace_replays_whole() -> None:
-    shared = find_shared_dir(os.path.dirname(__file__))
-    path = os.path.join(shared, "traces", "mooncake_conversation_trace.jsonl") if shared else ""
-    if not os.path.exists(path):
+    path = mooncake_path(find_shared_dir(os.path.dirname(__file__)))
+    if path is None:
         pytest.skip("no ../shared/traces (a user's clone has none)")
     r = replay(path, router=router_for(EngineModel()), workers=16, speedup=4.0)
     assert r.summary["requests"] == 12031

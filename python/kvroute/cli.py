@@ -235,8 +235,10 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
             raise SystemExit(f"kvroute simulate: --timing-fit {a.timing_fit}: {e}") from None
     engine = EngineModel(num_gpu_blocks=a.kv_blocks if a.kv_blocks is not None else 16384, timing=timing)  # type: ignore[arg-type]
     instances = a.instances if a.instances is not None else 8
+    from kvroute.sim.suite import default_policy
+
     known = _policies()
-    names = [default_policy_name()] if not a.policy else (known if "all" in a.policy else list(a.policy))
+    names = [default_policy()] if not a.policy else (known if "all" in a.policy else list(a.policy))
     bad = [x for x in names if x not in known]
     if bad:
         raise SystemExit(f"kvroute simulate: unknown policy {bad[0]!r}; expected one of {', '.join(known)} or all")
@@ -279,12 +281,6 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
             where = f"{(a.decode_instances and f'{instances}P{a.decode_instances}D') or f'{instances} workers'}"
             print(format_aisim_table(f"== {title}; {where}; TTFT SLO {slo:g} s, ITL SLO {itl * 1000:g} ms", results), flush=True)
     return 0
-
-
-def default_policy_name() -> str:
-    from kvroute.sim.suite import default_policy
-
-    return default_policy()
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
@@ -465,9 +461,7 @@ def cmd_plan_aisim(a: argparse.Namespace) -> int:
     try:
         phases = pl.load_phases(a.phases) if a.phases else list(pl.SEED_PHASES)
         rows = [plan_check(ph, ttft_slo=a.slo, itl_slo=a.itl_slo, simulate=a.check) for ph in phases]
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"kvroute plan: {e}") from None
-    except RuntimeError as e:
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: --check on a build without aisim
         raise SystemExit(f"kvroute plan: {e}") from None
     for r in rows:
         if a.json:

@@ -113,6 +113,15 @@ def _fit(engine: EngineModel) -> PolyFit | None:
     return BUILTIN_FIT if t == "builtin" else (t if isinstance(t, PolyFit) else None)
 
 
+def _decode_ms(engine: EngineModel, u: float) -> float:
+    """One decode step with share ``u`` of the KV pool held by running requests, ms."""
+    f = _fit(engine)
+    if f is None:  # fixed timing
+        assert isinstance(engine.timing, tuple)
+        return float(engine.timing[2])
+    return max(f.decode_a * u * u + f.decode_b * u + f.decode_c, f.decode_min_ms)
+
+
 def engine_caps(engine: EngineModel, isl: float, osl: float, *, itl_slo: float | None = 0.2) -> EngineCaps:
     """What one engine of ``engine`` can do for `kvroute.planner.need_for_slo`, at prompts of
     ``isl`` and outputs of ``osl`` tokens: the prefill speed of its best pass under the step budget
@@ -121,22 +130,15 @@ def engine_caps(engine: EngineModel, isl: float, osl: float, *, itl_slo: float |
     step time at that batch."""
     from kvroute.planner import EngineCaps
 
-    fit = _fit(engine)
+    f = _fit(engine)
     budget = engine.max_num_batched_tokens
-    if fit is None:  # fixed timing
+    if f is None:  # fixed timing
         assert isinstance(engine.timing, tuple)
-        prefill_ms, decode_ms = float(engine.timing[1]), float(engine.timing[2])
+        prefill_ms = float(engine.timing[1])
         p_cap, p_pass = budget * 1000.0 / prefill_ms, prefill_ms / 1000.0
-
-        def step(u: float) -> float:
-            return decode_ms
     else:
-        f = fit
         p_cap = max(t * 1000.0 / (f.prefill_a * t * t + f.prefill_b * t + f.prefill_c) for t in range(1, budget + 1, max(1, budget // 512)))
         p_pass = f.prefill_c / 1000.0
-
-        def step(u: float) -> float:
-            return max(f.decode_a * u * u + f.decode_b * u + f.decode_c, f.decode_min_ms)
 
     pool = engine.num_gpu_blocks * engine.block_size
     # A request's KV at its end. Requests that share a prefix are still counted whole: the decode
@@ -147,7 +149,7 @@ def engine_caps(engine: EngineModel, isl: float, osl: float, *, itl_slo: float |
     ctx = isl + osl / 2  # on average over its decode
 
     def step_at(n: int) -> float:
-        return step(min(1.0, n * ctx / pool))
+        return _decode_ms(engine, min(1.0, n * ctx / pool))
 
     while slots > 1 and itl_slo is not None and step_at(slots) > itl_slo * 1000:
         slots -= 1
@@ -158,13 +160,9 @@ def router_for(engine: EngineModel, *, policy: str | None = None, ttft_slo: floa
     """A fresh `Router` that sees the cluster as the engine model builds it: the engines' block
     size, decode step and (for disaggregated runs) KV transfer, plus ``policy``, ``ttft_slo``
     (seconds) and any other `Router` option."""
-    t = engine.timing
-    decode_ms = t.decode_c if isinstance(t, PolyFit) else (float(t[2]) if isinstance(t, tuple) else BUILTIN_FIT.decode_c)
-    if isinstance(t, PolyFit):
-        decode_ms = max(decode_ms, t.decode_min_ms)
     kw: dict[str, Any] = dict(
         block_size=engine.block_size,
-        decode_step_s=decode_ms / 1000.0,
+        decode_step_s=_decode_ms(engine, 0.0) / 1000.0,
         kv_bytes_per_token=float(engine.kv_bytes_per_token),
         link_bytes_per_s=engine.kv_transfer_gb_s * 1e9,
         link_latency_s=0.0,

@@ -2,9 +2,9 @@
 workloads (the seed chapter's chat, the Mooncake conversation trace, synthetic chat/agent/docs
 shapes, long-context traces in the Mooncake format), at event lag 0 and 50 ms, several workload
 seeds each, beside the attainment limit (a bound no router beats, `kvroute.sim.limit`) and a
-global-cache run for reference. Each case is marked "tuning" or "held-out"; the split was fixed before any constant of the
-default policy was chosen on it, and the held-out half holds shapes, loads and workload seeds that
-were never looked at while choosing them.
+global-cache run for reference. Each case is marked "tuning" or "held-out"; the split was fixed
+before any constant of the default policy was chosen on it, and the held-out half holds shapes,
+loads and workload seeds that were never looked at while choosing them.
 
 ``kvroute simulate --suite`` and ``benches/bench_policies.py`` print it.
 """
@@ -243,16 +243,13 @@ def _round(x: float) -> float | None:
     return None if x != x else round(x, 4)
 
 
-#: The suite's reference columns: "limit" is a bound (a proof no router beats, `kvroute.sim.limit`);
-#: "global cache" is a run (the best of the bound policies with one LRU of the cluster's total size
-#: that every instance reads and fills), a reference a policy can beat, not a bound. Until
-#: 2026-12-05 an "infinite cache" run was shown as a bound; policies beat it (long_rag 9/s: capacity
-#: and slack 94.33% against 93.67%), since queueing and admission on one shared cache are not the
-#: best case for every request.
-REFERENCES = ("limit", "global cache")
-
-
 def _references(cluster: ClusterConfig, w: Workload, policies: Sequence[str]) -> dict[str, float]:
+    """The suite's reference columns: "limit" is a bound (a proof no router beats,
+    `kvroute.sim.limit`; unified clusters); "global cache" is a run (the best of ``policies`` with one
+    LRU of the cluster's total size that every instance reads and fills), a reference a policy can
+    beat, not a bound. An "infinite cache" run used to stand in the limit's place; policies beat it
+    (long_rag 9/s: capacity and slack 94.33% against 93.67%), since queueing and admission on one
+    shared cache are not the best case for every request."""
     from kvroute.sim.limit import attainment_limit
 
     out: dict[str, float] = {}
