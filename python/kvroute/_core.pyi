@@ -97,6 +97,18 @@ class KvIndex:
 # ---- router ---------------------------------------------------------------------------------
 
 POLICIES: list[str]
+ROUTER_PRESETS: list[str]
+Policy = Literal["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "capacity", "slack"]
+Preset = Literal["simulator", "gateway", "gateway_approx", "host_router"]
+
+def router_parameters(preset: Preset = "simulator") -> list[tuple[str, str, object, list[str], str]]:
+    """The Router's parameters as ``(name, type, default, policies, help)`` under ``preset``: the one
+    definition the constructor, ``Router.config``, this stub and the CLIs' flags follow. ``policies``
+    lists the policies a parameter belongs to (empty: every policy); ``type`` is spelled as here.
+
+    >>> [p[2] for p in router_parameters() if p[0] == "block_size"], [p[2] for p in router_parameters("gateway") if p[0] == "block_size"]
+    ([64], [16])
+    """
 
 class NoWorkersError(KvrouteError):
     """Routing found no worker to route to (none registered, or none of the needed role)."""
@@ -186,10 +198,13 @@ class Router:
     True
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
-        policy: str = "capacity",
+        preset: Preset = "simulator",
+        index: KvIndex | None = None,
+        # The parameters, in router_parameters()' order; tests/test_stub.py holds them to it.
+        policy: Policy = "capacity",
         block_size: int = 64,
         tie_break: Literal["rotate", "lowest"] = "rotate",
         seed: int = 0,
@@ -213,10 +228,10 @@ class Router:
         eviction_weight: float = 0.0,
         kv_headroom: float = 0.2,
         decode_step_s: float = 0.01,
+        decode_choice: Literal["tpot", "score"] = "tpot",
         kv_bytes_per_token: float = 327680.0,
         link_bytes_per_s: float = 25e9,
         link_latency_s: float = 0.001,
-        decode_choice: Literal["tpot", "score"] = "tpot",
         kv_compression: float = 1.0,
         local_prefill_max_tokens: int = 0,
         prefill_busy_queue_s: float | None = None,
@@ -228,8 +243,14 @@ class Router:
         hash_seed: int = 1337,
         ttft_model: Literal["configured", "learned"] = "configured",
         token_share_bound: float | None = None,
-        index: KvIndex | None = None,
-    ) -> None: ...
+    ) -> Router:
+        """Every keyword but ``preset`` and ``index`` is a Router parameter (``router_parameters()``);
+        a policy's own parameters (``cache_threshold`` for "cache_aware", ...) are accepted only with
+        that policy. ``preset`` picks an entry point's defaults: "simulator" (``Router()``; 64-token
+        blocks), "gateway" (16-token blocks), "gateway_approx" (no KV events: no pending prefixes or
+        stale-overlap corrections), "host_router" (16-token blocks, ``token_share_bound`` 1.25).
+        Unknown names and values of the wrong type raise TypeError; values out of range ValueError.
+        """
     def add_worker(
         self,
         worker: int,

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvroute.router_flags import add_router_flags, router_options
+
 __all__ = ["add_serve_parser", "build_gateway", "cmd_serve"]
 
 
@@ -26,8 +28,6 @@ def _mapping(values: Sequence[str] | None, flag: str) -> dict[str, str]:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    from kvroute import POLICIES
-
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway in front of vLLM/SGLang workers",
@@ -56,43 +56,24 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="each unified/prefill engine's prefix-cache size in KV blocks (vLLM: num_gpu_blocks - 1), which the "
         "default policy charges evictions against (default: unknown, not charged)",
     )
-    g.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine (default 0: always disaggregate)",
+    add_router_flags(
+        g,
+        ["local_prefill_max_tokens"],
+        local_prefill_max_tokens="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine",
     )
-    r = p.add_argument_group("routing")
-    r.add_argument("--policy", choices=list(POLICIES), default=None, help="routing policy (default: the Router's default)")
-    r.add_argument("--ttft-slo", type=float, default=None, metavar="S", help="TTFT SLO in seconds; requests predicted to miss it get 429")
-    r.add_argument("--tpot-slo", type=float, default=None, metavar="S", help="TPOT SLO in seconds")
-    r.add_argument("--no-reject", action="store_true", help="never reject early (route to the best worker even past the SLO)")
-    r.add_argument(
-        "--no-pending-prefixes",
-        action="store_true",
-        help="with --kv-events: overlap from KV events only (do not count a routed request's prefix on its worker until its "
-        "events arrive); without KV events routed prefixes go into the index directly (--approx-ttl) and this is implied",
+    r = p.add_argument_group(
+        "routing", 'Router parameters (docs/router.md); defaults: the Router\'s "gateway" preset with --kv-events, else "gateway_approx"'
     )
-    r.add_argument(
-        "--no-stale-overlaps",
-        action="store_true",
-        help="with --kv-events: do not correct a queued request's predicted prefill when its worker reports evicting blocks it "
-        "was routed as holding; without KV events there are no such reports and this is implied",
-    )
-    r.add_argument(
-        "--token-share-bound",
-        type=float,
-        default=None,
-        metavar="X",
-        help="keep every worker within X times the mean of the prompt tokens routed over the load window (>= 1; "
-        "default: no bound; the LiteLLM and Ray integrations use 1.25, docs/router.md)",
-    )
-    r.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block (default: 16 with --kv-events, else 64); must equal the engines' with --kv-events",
+    add_router_flags(
+        r,
+        ["policy", "ttft_slo", "tpot_slo", "reject", "pending_prefixes", "stale_overlaps", "token_share_bound", "block_size"],
+        preset="gateway",
+        ttft_slo="TTFT SLO in seconds; requests predicted to miss it get 429",
+        pending_prefixes="count a routed request's prefix on its worker until its KV events can have arrived "
+        "(without KV events routed prefixes go into the index directly, --approx-ttl, and it is off)",
+        stale_overlaps="correct a queued request's predicted prefill when its worker reports evicting blocks it was "
+        "routed as holding (off without KV events: there are no such reports)",
+        block_size="tokens per KV block: 16 with --kv-events, and it must equal the engines'; else 64",
     )
     r.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its directory, with tokenizer_config.json): exact token routing")
     r.add_argument(
@@ -143,28 +124,15 @@ def build_gateway(a: argparse.Namespace) -> Any:
     from kvroute.gateway.app import GatewayConfig, WorkerConfig, make_gateway
 
     kv_events = _mapping(a.kv_events, "--kv-events")
-    block_size = a.block_size or (16 if kv_events else 64)
-    router_kw: dict[str, Any] = {
-        "block_size": block_size,
-        "ttft_slo": a.ttft_slo,
-        "tpot_slo": a.tpot_slo,
-        "reject": not a.no_reject,
-        # Pending prefixes bridge the lag of KV events; without events the gateway stores each routed
-        # prefix in the index itself (approx_ttl), so they would only duplicate that, at a cost per request.
-        "pending_prefixes": bool(kv_events) and not a.no_pending_prefixes,
-        # A removal is an engine's eviction only with KV events; without them it is the gateway's own
-        # TTL dropping its guess, which says nothing about what a queued request will find.
-        "stale_overlaps": bool(kv_events) and not a.no_stale_overlaps,
-        "token_share_bound": a.token_share_bound,
-    }
-    if a.policy:
-        router_kw["policy"] = a.policy
-    if a.local_prefill_max_tokens < 0:
-        raise argparse.ArgumentTypeError(f"--local-prefill-max-tokens must be >= 0, got {a.local_prefill_max_tokens}")
-    if a.local_prefill_max_tokens and a.pd_convention == "sglang":
+    router_kw = router_options(a)
+    local = router_kw.get("local_prefill_max_tokens", 0)
+    if local < 0:
+        raise argparse.ArgumentTypeError(f"--local-prefill-max-tokens must be >= 0, got {local}")
+    if local and a.pd_convention == "sglang":
         raise argparse.ArgumentTypeError("--local-prefill-max-tokens needs --pd-convention vllm (SGLang decode servers need a bootstrap)")
-    router_kw["local_prefill_max_tokens"] = a.local_prefill_max_tokens
-    router = Router(**router_kw)
+    # Without KV events the gateway stores each routed prefix in the index itself (approx_ttl): pending
+    # prefixes would only duplicate that, and a removal is its own TTL dropping a guess, not an eviction.
+    router = Router(preset="gateway" if kv_events else "gateway_approx", **router_kw)
     tps = a.prefill_tokens_per_s
     pcb = a.prefix_cache_blocks
     if pcb is not None and pcb < 0:

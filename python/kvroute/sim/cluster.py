@@ -9,12 +9,15 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from kvroute import KvIndex, _core
 from kvroute.sim.metrics import RunResult, summarize
 from kvroute.sim.progress import Progress
 from kvroute.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from kvroute._core import Policy
 
 __all__ = ["SEED_CLUSTER", "ClusterConfig", "make_router", "simulate"]
 
@@ -132,7 +135,7 @@ def make_router(
     router = Router(
         index=index,
         block_size=workload.block_size,
-        policy=policy,
+        policy=cast("Policy", policy),
         tie_break=cast(Literal["rotate", "lowest"], tie_break),
         seed=seed,
         ttft_slo=cluster.slo,

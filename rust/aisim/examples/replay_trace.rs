@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use kvroute_aisim::{load_trace, run, EngineModel, Placer, RunSpec, Slo, Topology};
-use kvroute_core::{Router, RouterConfig};
+use kvroute_core::router::{params, Preset};
+use kvroute_core::Router;
 
 fn main() -> anyhow::Result<()> {
     let a: Vec<String> = std::env::args().collect();
@@ -29,14 +30,17 @@ fn main() -> anyhow::Result<()> {
     let placer = if a[4] == "round_robin" {
         Placer::RoundRobin
     } else {
-        let cfg = RouterConfig {
-            policy: a[4].clone(),
-            block_size: spec.engine.block_size,
-            ttft_slo: Some(2.0),
-            reject: std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0"),
-            link_latency_s: 0.0,
-            ..Default::default()
-        };
+        let reject = std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0");
+        let cfg = params::build(
+            Preset::Simulator,
+            [
+                ("policy", a[4].as_str().into()),
+                ("block_size", spec.engine.block_size.into()),
+                ("ttft_slo", Some(2.0).into()),
+                ("reject", reject.into()),
+                ("link_latency_s", 0.0.into()),
+            ],
+        )?;
         Placer::Kvroute(Arc::new(Router::new(cfg, None)?))
     };
     let r = run(&spec, placer, trace)?;

@@ -257,16 +257,16 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
             let pd = matches!(spec_.topology, Topology::Disaggregated { .. });
             let link = spec_.engine.kv_transfer_gb_s * 1e9;
             if pd
-                && (cfg.kv_bytes_per_token != spec_.engine.kv_bytes_per_token as f64
-                    || cfg.link_bytes_per_s != link
-                    || cfg.link_latency_s != 0.0)
+                && (cfg.pd.kv_bytes_per_token != spec_.engine.kv_bytes_per_token as f64
+                    || cfg.pd.link_bytes_per_s != link
+                    || cfg.pd.link_latency_s != 0.0)
             {
                 bail!(
                     "the Router's KV transfer model (kv_bytes_per_token {}, link_bytes_per_s {}, link_latency_s {}) is not the cluster's \
                      ({} bytes per token over {link} bytes/s, no latency): build it with those, or its TTFT predictions miss every transfer",
-                    cfg.kv_bytes_per_token,
-                    cfg.link_bytes_per_s,
-                    cfg.link_latency_s,
+                    cfg.pd.kv_bytes_per_token,
+                    cfg.pd.link_bytes_per_s,
+                    cfg.pd.link_latency_s,
                     spec_.engine.kv_bytes_per_token
                 );
             }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use aisimulate_core::replay::loadgen::MooncakeRow;
 use kvroute_aisim::{run, trace_from_rows, EngineModel, Placer, RunSpec, Slo, Timing, Topology, TRACE_BLOCK_SIZE};
-use kvroute_core::{Router, RouterConfig};
+use kvroute_core::{router_config, Router};
 
 /// `groups` prefix groups of `per_group` requests, each prompt = the group's 4-block prefix + one
 /// block of its own; arrivals `gap_ms` apart, groups interleaved.
@@ -36,8 +36,7 @@ fn spec(topology: Topology) -> RunSpec {
 }
 
 fn router(policy: &str, ttft_slo: Option<f64>) -> Arc<Router> {
-    let cfg =
-        RouterConfig { policy: policy.into(), block_size: 64, ttft_slo, link_bytes_per_s: 25e9, link_latency_s: 0.0, ..Default::default() };
+    let cfg = router_config!(policy: policy, block_size: 64, ttft_slo: ttft_slo, link_bytes_per_s: 25e9, link_latency_s: 0.0);
     Arc::new(Router::new(cfg, None).unwrap())
 }
 
@@ -103,7 +102,7 @@ fn disaggregated_runs_decode_where_the_router_chose() {
     let rr = run(&s, Placer::RoundRobin, trace_from_rows(rows(3, 6, 50.0, 16), 1.0).unwrap()).unwrap();
     assert_eq!(rr.summary.completed, 18);
     // A Router that believes in another link would mispredict every transfer: refused.
-    let wrong = Arc::new(Router::new(RouterConfig { block_size: 64, ..Default::default() }, None).unwrap());
+    let wrong = Arc::new(Router::new(router_config!(block_size: 64), None).unwrap());
     let e = run(&s, Placer::Kvroute(wrong), trace_from_rows(rows(1, 1, 1.0, 1), 1.0).unwrap()).unwrap_err();
     assert!(e.to_string().contains("KV transfer model"), "{e}");
 }
@@ -111,7 +110,7 @@ fn disaggregated_runs_decode_where_the_router_chose() {
 #[test]
 fn a_router_with_workers_or_another_block_size_is_refused() {
     let s = spec(Topology::Aggregated { workers: 2 });
-    let r = Arc::new(Router::new(RouterConfig { block_size: 16, ..Default::default() }, None).unwrap());
+    let r = Arc::new(Router::new(router_config!(block_size: 16), None).unwrap());
     let e = run(&s, Placer::Kvroute(r), trace_from_rows(rows(1, 1, 1.0, 1), 1.0).unwrap()).unwrap_err();
     assert!(e.to_string().contains("block_size"), "{e}");
     let r = router("capacity", None);

@@ -4,7 +4,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvroute_core::router::{RouteRequest, Router, RouterConfig, WorkerSpec};
+use kvroute_core::router::{RouteRequest, Router, WorkerSpec};
+use kvroute_core::router_config;
 use kvroute_core::{hash::sequence_hashes, KvIndex, Tier, DEFAULT_SEED};
 
 mod common;
@@ -23,7 +24,7 @@ fn bench_route(c: &mut Criterion) {
     let queries: Vec<&[u64]> = sessions.iter().filter(|s| s.seq.len() >= 128).take(256).map(|s| &s.seq[..128]).collect();
     let mut g = c.benchmark_group("route");
     for policy in ["slack", "ttft", "cost"] {
-        let cfg = RouterConfig { policy: policy.into(), ttft_slo: Some(2.0), ..Default::default() };
+        let cfg = router_config!(policy: policy, ttft_slo: Some(2.0));
         let router = Router::new(cfg, Some(index.clone())).unwrap();
         for w in 0..64 {
             router.add_worker(w, WorkerSpec::default()).unwrap();

@@ -4,6 +4,7 @@
 pub mod events;
 pub mod hash;
 pub mod index;
+pub mod random;
 pub mod router;
 
 pub use hash::DEFAULT_SEED;

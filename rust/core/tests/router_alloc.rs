@@ -4,7 +4,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use kvroute_core::router::{RouteRequest, Router, RouterConfig, WorkerSpec};
+use kvroute_core::router::{RouteRequest, Router, WorkerSpec};
+use kvroute_core::router_config;
 use kvroute_core::{hash::sequence_hashes, Tier, DEFAULT_SEED};
 
 struct Counting;
@@ -43,7 +44,7 @@ static GLOBAL: Counting = Counting;
 #[test]
 fn warm_route_does_not_allocate() {
     for policy in ["slack", "ttft", "cache_aware", "cost", "least_load", "capacity"] {
-        let cfg = RouterConfig { policy: policy.into(), ttft_slo: Some(2.0), ..Default::default() };
+        let cfg = router_config!(policy: policy, ttft_slo: Some(2.0));
         let router = Router::new(cfg, None).unwrap();
         for w in 0..64 {
             // A prefix-cache size: "capacity" then reads every worker's occupancy on each route.

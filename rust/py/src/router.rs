@@ -4,13 +4,12 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kvroute_core::router::{
-    Decision, DecodeRule, Observed, Role, RouteRequest, Router, RouterConfig, RouterError, TieBreak, TtftModel, WorkerSpec,
-};
+use kvroute_core::router::params::{self, Value};
+use kvroute_core::router::{Decision, Observed, Preset, Role, RouteRequest, Router, RouterConfig, RouterError, WorkerSpec};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyString};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
 
 use crate::convert::{extract_hashes, extract_tokens, extract_u64};
 use crate::errors::KvrouteError;
@@ -65,6 +64,69 @@ fn request_key(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     })
 }
 
+fn preset_named(name: &str) -> PyResult<Preset> {
+    Preset::from_name(name)
+        .ok_or_else(|| PyValueError::new_err(format!("preset must be one of {}, got {name:?}", Preset::NAMES.join(", "))))
+}
+
+/// A Python value as a parameter value (its kind is checked by the parameter).
+fn value_from_py(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    Ok(if v.is_none() {
+        Value::None
+    } else if let Ok(b) = v.cast::<PyBool>() {
+        Value::Bool(b.is_true())
+    } else if let Ok(i) = v.cast::<PyInt>() {
+        Value::Int(i.extract::<i128>().map_err(|_| PyValueError::new_err(format!("{i} is out of range")))?)
+    } else if let Ok(f) = v.cast::<PyFloat>() {
+        Value::Float(f.value())
+    } else if let Ok(s) = v.cast::<PyString>() {
+        Value::Str(s.to_str()?.to_string())
+    } else {
+        let t = v.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(PyTypeError::new_err(format!("expected None, a bool, a number or a str, got {t}")));
+    })
+}
+
+fn value_to_py(py: Python<'_>, v: Value) -> PyResult<Bound<'_, PyAny>> {
+    Ok(match v {
+        Value::None => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any(),
+        Value::Float(f) => f.into_pyobject(py)?.into_any(),
+        Value::Str(s) => PyString::new(py, &s).into_any(),
+    })
+}
+
+/// The config `Router(preset=..., **params)` builds: unknown names and values of the wrong type
+/// are TypeErrors, values out of range (or a parameter of another policy) ValueErrors.
+fn config_from(preset: &str, params: Option<&Bound<'_, PyDict>>) -> PyResult<RouterConfig> {
+    let preset = preset_named(preset)?;
+    let mut given = Vec::new();
+    for (k, v) in params.into_iter().flat_map(|d| d.iter()) {
+        let name = k.cast::<PyString>()?.to_str()?.to_string();
+        let param =
+            params::param(&name).ok_or_else(|| PyTypeError::new_err(format!("Router() got an unexpected keyword argument {name:?}")))?;
+        let value = value_from_py(&v).map_err(|e| PyTypeError::new_err(format!("{name}: {}", e.value(v.py()))))?;
+        let value = param.check_kind(value).map_err(|e| PyTypeError::new_err(e.to_string()))?;
+        given.push((param.name, value));
+    }
+    params::build(preset, given).map_err(to_py)
+}
+
+/// The Router's parameters, as `(name, type, default, policies, help)` under `preset`: the one
+/// definition the constructor, `Router.config`, the stub and the CLIs' flags follow.
+#[pyfunction]
+#[pyo3(signature = (preset = "simulator"))]
+fn router_parameters<'py>(py: Python<'py>, preset: &str) -> PyResult<Bound<'py, PyList>> {
+    let preset = preset_named(preset)?;
+    let out = PyList::empty(py);
+    for p in params::PARAMS {
+        let t = (p.name, p.kind.python_type(), value_to_py(py, p.default_value(preset))?, p.policies.to_vec(), p.help);
+        out.append(t)?;
+    }
+    Ok(out)
+}
+
 fn check_time(v: Option<f64>, what: &str) -> PyResult<Option<f64>> {
     match v {
         Some(t) if !(t.is_finite() && t >= 0.0) => {
@@ -88,107 +150,13 @@ pub struct PyRouter {
 
 #[pymethods]
 impl PyRouter {
+    /// Every keyword but `preset` and `index` is a parameter of `kvroute._core.router_parameters()`;
+    /// `preset` picks the defaults of an entry point ("simulator", the default; "gateway",
+    /// "gateway_approx", "host_router"; docs/router.md, "Configuration").
     #[new]
-    #[pyo3(signature = (
-        *, policy = "capacity", block_size = 64, tie_break = "rotate", seed = 0, ttft_slo = None, tpot_slo = None, reject = true, admission_work_factor = None,
-        shed_load_threshold = 1.0, shed_load_ramp = 1.0, shed_load_sigmas = 2.0, load_window_s = None,
-        cache_threshold = 0.3, balance_abs_threshold = 64.0, balance_rel_threshold = 1.5, prefill_load_scale = 1.0,
-        temperature = 0.0, queue_weight = 0.2, prefill_weight = 1.0, pressure_weight = 8.0, slo_margin = 0.0, eviction_weight = 0.0, kv_headroom = 0.2,
-        decode_step_s = 0.01, kv_bytes_per_token = 327680.0, link_bytes_per_s = 25e9, link_latency_s = 0.001, decode_choice = "tpot", kv_compression = 1.0,
-        local_prefill_max_tokens = 0, prefill_busy_queue_s = None, optimistic_insert = false,
-        pending_prefixes = true, pending_grace_s = 1.0, pending_ttl_s = 60.0, stale_overlaps = true, hash_seed = 1337, ttft_model = "configured", token_share_bound = None, index = None
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        policy: &str,
-        block_size: i64,
-        tie_break: &str,
-        seed: u64,
-        ttft_slo: Option<f64>,
-        tpot_slo: Option<f64>,
-        reject: bool,
-        admission_work_factor: Option<f64>,
-        shed_load_threshold: f64,
-        shed_load_ramp: f64,
-        shed_load_sigmas: f64,
-        load_window_s: Option<f64>,
-        cache_threshold: f64,
-        balance_abs_threshold: f64,
-        balance_rel_threshold: f64,
-        prefill_load_scale: f64,
-        temperature: f64,
-        queue_weight: f64,
-        prefill_weight: f64,
-        pressure_weight: f64,
-        slo_margin: f64,
-        eviction_weight: f64,
-        kv_headroom: f64,
-        decode_step_s: f64,
-        kv_bytes_per_token: f64,
-        link_bytes_per_s: f64,
-        link_latency_s: f64,
-        decode_choice: &str,
-        kv_compression: f64,
-        local_prefill_max_tokens: u64,
-        prefill_busy_queue_s: Option<f64>,
-        optimistic_insert: bool,
-        pending_prefixes: bool,
-        pending_grace_s: f64,
-        pending_ttl_s: f64,
-        stale_overlaps: bool,
-        hash_seed: u64,
-        ttft_model: &str,
-        token_share_bound: Option<f64>,
-        index: Option<&Bound<'_, PyKvIndex>>,
-    ) -> PyResult<Self> {
-        let ttft_model = TtftModel::from_name(ttft_model)
-            .ok_or_else(|| PyValueError::new_err(format!("ttft_model must be 'learned' or 'configured', got {ttft_model:?}")))?;
-        let block_size = crate::convert::check_block_size(block_size)?;
-        let tie_break = TieBreak::from_name(tie_break)
-            .ok_or_else(|| PyValueError::new_err(format!("tie_break must be 'rotate' or 'lowest', got {tie_break:?}")))?;
-        let decode_rule = DecodeRule::from_name(decode_choice)
-            .ok_or_else(|| PyValueError::new_err(format!("decode_choice must be 'tpot' or 'score', got {decode_choice:?}")))?;
-        let cfg = RouterConfig {
-            block_size,
-            hash_seed,
-            policy: policy.to_string(),
-            tie_break,
-            seed,
-            ttft_slo,
-            tpot_slo,
-            reject,
-            admission_work_factor,
-            shed_load_threshold,
-            shed_load_ramp,
-            shed_load_sigmas,
-            load_window_s,
-            cache_threshold,
-            balance_abs_threshold,
-            balance_rel_threshold,
-            prefill_load_scale,
-            temperature,
-            queue_weight,
-            prefill_weight,
-            pressure_weight,
-            slo_margin,
-            eviction_weight,
-            kv_headroom,
-            decode_step_s,
-            kv_bytes_per_token,
-            link_bytes_per_s,
-            link_latency_s,
-            decode_rule,
-            kv_compression,
-            local_prefill_max_tokens,
-            prefill_busy_queue_s,
-            optimistic_insert,
-            pending_prefixes,
-            pending_grace_s,
-            pending_ttl_s,
-            stale_overlaps,
-            ttft_model,
-            token_share_bound,
-        };
+    #[pyo3(signature = (*, preset = "simulator", index = None, **params))]
+    fn new(preset: &str, index: Option<&Bound<'_, PyKvIndex>>, params: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let cfg = config_from(preset, params)?;
         let index = index.map(|i| i.get().inner.clone());
         Ok(PyRouter { inner: Arc::new(Router::new(cfg, index).map_err(to_py)?) })
     }
@@ -370,50 +338,15 @@ impl PyRouter {
         self.inner.policy_name()
     }
 
-    /// The configuration, as a dict of the constructor's keyword arguments.
+    /// The configuration, as a dict of the constructor's keyword arguments (the parameters of
+    /// every policy and of this router's policy; values left to a rule, such as the admission work
+    /// factor and the load window, resolved): `Router(**r.config)` builds an equal router.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.config();
         let d = PyDict::new(py);
-        d.set_item("policy", &c.policy)?;
-        d.set_item("block_size", c.block_size)?;
-        d.set_item("tie_break", c.tie_break.name())?;
-        d.set_item("seed", c.seed)?;
-        d.set_item("ttft_slo", c.ttft_slo)?;
-        d.set_item("tpot_slo", c.tpot_slo)?;
-        d.set_item("reject", c.reject)?;
-        d.set_item("admission_work_factor", c.admission_factor())?;
-        d.set_item("shed_load_threshold", c.shed_load_threshold)?;
-        d.set_item("shed_load_ramp", c.shed_load_ramp)?;
-        d.set_item("shed_load_sigmas", c.shed_load_sigmas)?;
-        d.set_item("load_window_s", c.load_window())?;
-        d.set_item("cache_threshold", c.cache_threshold)?;
-        d.set_item("balance_abs_threshold", c.balance_abs_threshold)?;
-        d.set_item("balance_rel_threshold", c.balance_rel_threshold)?;
-        d.set_item("prefill_load_scale", c.prefill_load_scale)?;
-        d.set_item("temperature", c.temperature)?;
-        d.set_item("queue_weight", c.queue_weight)?;
-        d.set_item("prefill_weight", c.prefill_weight)?;
-        d.set_item("pressure_weight", c.pressure_weight)?;
-        d.set_item("slo_margin", c.slo_margin)?;
-        d.set_item("eviction_weight", c.eviction_weight)?;
-        d.set_item("kv_headroom", c.kv_headroom)?;
-        d.set_item("decode_step_s", c.decode_step_s)?;
-        d.set_item("kv_bytes_per_token", c.kv_bytes_per_token)?;
-        d.set_item("link_bytes_per_s", c.link_bytes_per_s)?;
-        d.set_item("link_latency_s", c.link_latency_s)?;
-        d.set_item("decode_choice", c.decode_rule.name())?;
-        d.set_item("kv_compression", c.kv_compression)?;
-        d.set_item("local_prefill_max_tokens", c.local_prefill_max_tokens)?;
-        d.set_item("prefill_busy_queue_s", c.prefill_busy_queue_s)?;
-        d.set_item("optimistic_insert", c.optimistic_insert)?;
-        d.set_item("pending_prefixes", c.pending_prefixes)?;
-        d.set_item("pending_grace_s", c.pending_grace_s)?;
-        d.set_item("pending_ttl_s", c.pending_ttl_s)?;
-        d.set_item("stale_overlaps", c.stale_overlaps)?;
-        d.set_item("hash_seed", c.hash_seed)?;
-        d.set_item("ttft_model", c.ttft_model.name())?;
-        d.set_item("token_share_bound", c.token_share_bound)?;
+        for (name, v) in params::values(&self.inner.config().resolved()) {
+            d.set_item(name, value_to_py(py, v)?)?;
+        }
         Ok(d)
     }
 
@@ -574,6 +507,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NoWorkersError", py.get_type::<NoWorkersError>())?;
     m.add("UnknownWorkerError", py.get_type::<UnknownWorkerError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
-    m.add("POLICIES", kvroute_core::router::policy::POLICIES.to_vec())?;
+    m.add("POLICIES", kvroute_core::router::PolicyConfig::NAMES.to_vec())?;
+    m.add("ROUTER_PRESETS", Preset::NAMES.to_vec())?;
+    m.add_function(wrap_pyfunction!(router_parameters, m)?)?;
     Ok(())
 }

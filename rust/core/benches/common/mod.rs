@@ -9,11 +9,11 @@ pub struct Session {
 }
 
 /// The router's SplitMix64, plus a bounded draw for the workload.
-pub struct Rng(kvroute_core::router::policy::Rng);
+pub struct Rng(kvroute_core::random::SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(kvroute_core::router::policy::Rng::new(seed))
+        Rng(kvroute_core::random::SplitMix64::new(seed))
     }
     pub fn next_u64(&mut self) -> u64 {
         self.0.next_u64()

@@ -7,9 +7,10 @@
 
 pub mod config;
 pub mod decision;
-pub mod decode;
+pub mod decode_worker;
 mod evicted;
 pub mod load;
+pub mod params;
 pub mod pending;
 pub mod policy;
 mod share;
@@ -26,13 +27,15 @@ use hashbrown::HashMap;
 use parking_lot::Mutex;
 
 use crate::index::{KvIndex, MatchScratch, Matches, Removal, Since, Tier, WorkerId, ANY_TIER};
-pub use config::{DecodeRule, Role, RouterConfig, TieBreak, TtftModel};
+use crate::random::{PyRandom, RandomSource};
+pub use config::{AdmissionConfig, CacheViewConfig, DecodeConfig, DecodeRule, PdConfig, Preset, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
-use decode::{choose_decode, DecodeChoice};
+use decode_worker::{choose_decode, DecodeChoice};
 use evicted::EvictedReuse;
 pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
 use pending::PendingPrefixes;
-use policy::{admission_ttft, make_policy, pick_min, Ctx, Policy, Rng};
+use policy::{admission_ttft, pick_min, Ctx, Policy};
+pub use policy::{Needs, PolicyConfig};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum RouterError {
@@ -86,8 +89,7 @@ struct State {
     occupancy_slots: Vec<u32>,
     rotation: u64,
     rr: u64,
-    rng: Rng,
-    py_rng: crate::sim::PyRandom,
+    rng: Box<dyn RandomSource>,
     /// Offered prefill load: decaying average of arriving uncached tokens per second.
     offered_rate: f64,
     /// The same average of squared tokens: with `offered_rate`, the estimate's standard error.
@@ -131,6 +133,13 @@ thread_local! {
 pub struct Router {
     cfg: RouterConfig,
     policy: Box<dyn Policy>,
+    /// What the policy needs measured (`Policy::needs`).
+    needs: Needs,
+    /// `RouterConfig::admission_work_factor`, resolved once.
+    admission_work_factor: f64,
+    /// Whether the router reads the index's removal log: pending prefixes end at a removal, a
+    /// removal can show a queued request's overlap stale, and a policy may measure evictions' reuse.
+    reads_removals: bool,
     index: Arc<KvIndex>,
     state: Mutex<State>,
     epoch: Instant,
@@ -138,7 +147,7 @@ pub struct Router {
 
 impl Drop for Router {
     fn drop(&mut self) {
-        if self.cfg.reads_removals() {
+        if self.reads_removals {
             self.index.unsubscribe_removals();
         }
     }
@@ -154,16 +163,29 @@ fn check_time(now: f64, what: &str) -> Result<f64, RouterError> {
 
 impl Router {
     /// A router over `index` (shared with whatever feeds it KV events), or a fresh index.
+    /// Its random choices come from `PyRandom::new(cfg.seed)` (see `with_random`).
     pub fn new(cfg: RouterConfig, index: Option<Arc<KvIndex>>) -> Result<Self, RouterError> {
+        let rng = Box::new(PyRandom::new(cfg.seed));
+        Self::with_random(cfg, index, rng)
+    }
+
+    /// A router that draws its random choices ("random", "cost" with a temperature) from `rng`.
+    pub fn with_random(cfg: RouterConfig, index: Option<Arc<KvIndex>>, rng: Box<dyn RandomSource>) -> Result<Self, RouterError> {
         cfg.validate()?;
-        let policy = make_policy(&cfg).ok_or_else(|| RouterError::InvalidConfig(format!("unknown policy {:?}", cfg.policy)))?;
-        let rng = Rng::new(cfg.seed);
+        let policy = cfg.policy.build();
+        let needs = policy.needs();
+        let admission_work_factor = cfg.admission.work_factor.unwrap_or_else(|| policy.default_admission_work_factor());
+        let view = &cfg.cache_view;
+        let reads_removals = view.pending_prefixes || view.stale_overlaps || needs.eviction_reuse;
         let index = index.unwrap_or_else(|| Arc::new(KvIndex::new(None)));
         // Pending prefixes end at the engine's removals, and "capacity" learns from them how often
         // an evicted block comes back: the index logs them for this router.
-        let removal_cursor = if cfg.reads_removals() { index.subscribe_removals() } else { 0 };
+        let removal_cursor = if reads_removals { index.subscribe_removals() } else { 0 };
         Ok(Router {
             policy,
+            needs,
+            admission_work_factor,
+            reads_removals,
             index,
             state: Mutex::new(State {
                 workers: Vec::new(),
@@ -177,7 +199,6 @@ impl Router {
                 rotation: 0,
                 rr: 0,
                 rng,
-                py_rng: crate::sim::PyRandom::new(cfg.seed),
                 offered_rate: 0.0,
                 offered_sq: 0.0,
                 offered_at: None,
@@ -324,7 +345,7 @@ impl Router {
         st.checkpoints.remove(request_id, &rec.checkpoints);
         st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
         if let Some(tag) = rec.pending {
-            st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+            st.pending.expire_at(tag, now + self.cfg.cache_view.pending_grace_s);
         }
         Ok(())
     }
@@ -373,7 +394,7 @@ impl Router {
             Self::finish_prefill(&mut st, &rec, now, false);
             st.checkpoints.remove(request_id, &rec.checkpoints);
             if let Some(tag) = rec.pending {
-                st.pending.expire_at(tag, now + self.cfg.pending_grace_s);
+                st.pending.expire_at(tag, now + self.cfg.cache_view.pending_grace_s);
             }
         }
         Self::release_decode(&mut st, &rec);
@@ -449,7 +470,7 @@ impl Router {
             };
             self.index.match_into(hs, ANY_TIER, match_scratch, matches);
             let d = self.decide(now, num_tokens, req, hs, matches)?;
-            if self.cfg.optimistic_insert && d.admitted && !hs.is_empty() {
+            if self.cfg.cache_view.optimistic_insert && d.admitted && !hs.is_empty() {
                 // Best effort: an index at its capacity limit only forgets this guess (later
                 // matches come out shorter, never wrong); the decision itself stands.
                 let _ = self.index.store(d.worker, hs, None, Tier::Device);
@@ -470,10 +491,10 @@ impl Router {
         let queue_delay = w.queue_delay(now);
         let prefill_time = w.prefill_time(uncached);
         let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
-        let capacity_aware = self.cfg.policy == "capacity";
+        let needs = self.needs;
         let (evicted, fill) = match w.spec.prefix_cache_blocks {
             // A 0-block cache (prefix caching off) holds nothing to evict and no room a copy takes.
-            Some(capacity) if capacity > 0 && self.cfg.charges_evictions() => {
+            Some(capacity) if capacity > 0 && needs.evictions => {
                 // The index counts the cached blocks the engine's KV events reported. An engine's
                 // own usage cannot replace it: vLLM's kv_cache_usage_perc counts the blocks running
                 // requests hold, and a cached block no request holds counts as free (it sits in the
@@ -481,7 +502,7 @@ impl Router {
                 // near 0. What the usage adds is blocks held but not (yet) cached, so the occupancy
                 // is the larger of the two.
                 let used = match w.observed.kv_usage {
-                    Some(u) if capacity_aware => indexed.max((u * capacity as f64).round() as u64),
+                    Some(u) if needs.usage_occupancy => indexed.max((u * capacity as f64).round() as u64),
                     _ => indexed,
                 };
                 // The engine stores the full blocks it lacks; an LRU at capacity evicts as many.
@@ -490,8 +511,8 @@ impl Router {
             }
             _ => (0, 0.0),
         };
-        let evict_time = if self.cfg.eviction_weight > 0.0 { w.token_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
-        let step_time = w.step_time(self.cfg.decode_step_s);
+        let evict_time = if needs.evict_time { w.token_time(evicted * self.cfg.block_size as u64) } else { 0.0 };
+        let step_time = w.step_time(self.cfg.decode.step_s);
         Candidate {
             worker: w.id,
             overlap_blocks: overlap,
@@ -510,7 +531,7 @@ impl Router {
             prefill_tokens: w.prefill_tokens,
             decode_blocks: w.decode_blocks,
             evict_time,
-            stored_blocks: if capacity_aware { stored } else { 0 },
+            stored_blocks: if needs.eviction_reuse { stored } else { 0 },
             evicted_blocks: evicted,
             cache_fill: fill,
             score: 0.0,
@@ -550,11 +571,11 @@ impl Router {
     /// log): they no longer count as pending, and ("capacity") they are evictions whose reuse is
     /// measured. Then drops pending entries past their expiry.
     fn drain_removals(&self, st: &mut State, now: f64) {
-        if !self.cfg.reads_removals() {
+        if !self.reads_removals {
             return;
         }
-        let (pend, evict, tau) = (self.cfg.pending_prefixes, self.cfg.policy == "capacity", self.cfg.load_window());
-        let stale = self.cfg.stale_overlaps;
+        let (pend, evict, tau) = (self.cfg.cache_view.pending_prefixes, self.needs.eviction_reuse, self.cfg.admission.load_window());
+        let stale = self.cfg.cache_view.stale_overlaps;
         let State { pending, evicted, removal_cursor, checkpoints, corrections, requests, .. } = st;
         corrections.clear();
         let lost = self.index.removals_since(removal_cursor, |r| match r {
@@ -590,7 +611,7 @@ impl Router {
             fixes.sort_unstable();
             fixes.dedup_by_key(|f| f.0);
             for &(id, pos) in &fixes {
-                Self::correct_overlap(st, self.cfg.block_size as u64, id, pos, now, self.cfg.pending_grace_s);
+                Self::correct_overlap(st, self.cfg.block_size as u64, id, pos, now, self.cfg.cache_view.pending_grace_s);
             }
             fixes.clear();
             st.corrections = fixes;
@@ -633,7 +654,7 @@ impl Router {
             }
         }
         self.drain_removals(st, now);
-        if cfg.pending_prefixes {
+        if cfg.cache_view.pending_prefixes {
             // A worker's overlap: its index prefix, continued by the blocks pending there (an entry
             // holds only what the index lacked when it was routed). Workers without an index
             // prefix share one walk from block 0; each worker with one continues from its end.
@@ -651,7 +672,7 @@ impl Router {
         }
         // The index's occupancy per worker, for the capacity charge only (it reads every shard), and
         // only where some worker has a prefix-cache size to charge against.
-        let occupancy = cfg.charges_evictions() && st.workers.iter().any(|w| w.spec.prefix_cache_blocks.is_some());
+        let occupancy = self.needs.evictions && st.workers.iter().any(|w| w.spec.prefix_cache_blocks.is_some());
         if occupancy {
             let State { workers, indexed_blocks, occupancy_slots, .. } = st;
             self.index.num_blocks_into(workers.iter().map(|w| w.id), occupancy_slots, indexed_blocks);
@@ -666,7 +687,7 @@ impl Router {
         let mut predicted_tpot = None;
         let mut decode_reject: Option<(Reason, usize)> = None;
         if pd {
-            let choice = choose_decode(&st.workers, |w| w.spec.role.decodes(), kv_need, cfg, cfg.tie_break, &mut st.rotation)
+            let choice = choose_decode(&st.workers, |w| w.spec.role.decodes(), kv_need, &cfg.decode, cfg.tie_break, &mut st.rotation)
                 .ok_or_else(|| RouterError::NoWorkers("no decode workers".into()))?;
             match choice {
                 DecodeChoice::Chosen(i, t) => {
@@ -680,7 +701,7 @@ impl Router {
                 }
                 DecodeChoice::NoRoom(i) => {
                     decode_at = Some(i);
-                    predicted_tpot = st.workers[i].tpot_with_one_more(cfg.decode_step_s);
+                    predicted_tpot = st.workers[i].tpot_with_one_more(cfg.decode.step_s);
                     decode_reject = Some((Reason::RejectedDecode, i));
                 }
             }
@@ -705,10 +726,10 @@ impl Router {
                 continue;
             }
             let need_here = unified_kv_need(kv_need, st.overlaps[at]);
-            let unfit = !pd && !decode::admissible(w, need_here, cfg);
-            if unfit && cfg.reject {
+            let unfit = !pd && !decode_worker::admissible(w, need_here, &cfg.decode);
+            if unfit && cfg.admission.reject {
                 decode_filtered += 1;
-                if w.kv_fits(need_here, cfg.kv_headroom) {
+                if w.kv_fits(need_here, cfg.decode.kv_headroom) {
                     decode_miss_reason = Reason::RejectedTpot;
                 }
                 continue;
@@ -716,7 +737,7 @@ impl Router {
             let transfer = match decode_at {
                 Some(d) if d != at => {
                     let d_cached = (st.overlaps[d] as u64 * bs).min(num_tokens);
-                    cfg.transfer_time(num_tokens - d_cached)
+                    cfg.pd.transfer_time(num_tokens - d_cached)
                 }
                 _ => 0.0,
             };
@@ -731,7 +752,7 @@ impl Router {
             st.cands.append(&mut spill);
         }
         let (_, rho_evident) = Self::record_offered(st, cfg, now, num_tokens);
-        let reuse = Self::record_reuse(st, cfg, now, hashes);
+        let reuse = if self.needs.eviction_reuse { Self::record_reuse(st, cfg, now, hashes) } else { 0.0 };
         if st.cands.is_empty() && decode_filtered == 0 {
             return Err(RouterError::NoWorkers("no worker can prefill (all are decode-only)".into()));
         }
@@ -739,10 +760,10 @@ impl Router {
             // Unified mode, every worker lacks KV room or would miss the TPOT SLO.
             let at = pinned.unwrap_or_else(|| (0..st.workers.len()).max_by_key(|&i| st.workers[i].kv_free()).expect("non-empty"));
             let c = self.candidate(&st.workers[at], st.overlaps[at], now, num_tokens, 0.0, indexed_at(st, at));
-            predicted_tpot = st.workers[at].tpot_with_one_more(cfg.decode_step_s);
+            predicted_tpot = st.workers[at].tpot_with_one_more(cfg.decode.step_s);
             return Ok(self.rejection(c, None, decode_miss_reason, predicted_tpot, num_tokens, req, &st.cands));
         }
-        if let (true, Some((reason, d))) = (cfg.reject, decode_reject) {
+        if let (true, Some((reason, d))) = (cfg.admission.reject, decode_reject) {
             let c = st.cands[0];
             return Ok(self.rejection(c, Some(st.workers[d].id), reason, predicted_tpot, num_tokens, req, &st.cands));
         }
@@ -750,10 +771,10 @@ impl Router {
         // Conditional disaggregation, short prompts: prefill where the decode happens.
         let mut path = if pd { Path::Disaggregated } else { Path::Unified };
         let mut chosen: Option<(Candidate, Reason)> = None;
-        if let (Some(d), true) = (decode_at, pd && cfg.local_prefill_max_tokens > 0 && pinned.is_none()) {
-            if uncached_on(st, d) <= cfg.local_prefill_max_tokens {
+        if let (Some(d), true) = (decode_at, pd && cfg.pd.local_prefill_max_tokens > 0 && pinned.is_none()) {
+            if uncached_on(st, d) <= cfg.pd.local_prefill_max_tokens {
                 let c = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0, indexed_at(st, d));
-                if !cfg.reject || keeps_slo(cfg.ttft_slo, c.predicted_ttft) {
+                if !cfg.admission.reject || keeps_slo(cfg.admission.ttft_slo, c.predicted_ttft) {
                     chosen = Some((c, Reason::ShortPrompt));
                     path = Path::Local;
                 }
@@ -764,7 +785,7 @@ impl Router {
         // A pin skips the bound but is counted (at admission), so the counts are decayed here for it too.
         let within = match cfg.token_share_bound {
             Some(bound) => {
-                let mean = share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.load_window(), num_tokens);
+                let mean = share::decay_to(&mut st.workers, &mut st.routed_at, now, cfg.admission.load_window(), num_tokens);
                 match pinned {
                     None => share::partition(&mut st.cands, &st.workers, &st.pos, bound, mean, num_tokens),
                     Some(_) => st.cands.len(),
@@ -777,17 +798,16 @@ impl Router {
         let (c, reason) = match chosen {
             Some(x) => x,
             None => {
-                let State { cands, rotation, rr, rng, py_rng, .. } = st;
+                let State { cands, rotation, rr, rng, .. } = st;
                 let mut ctx = Ctx {
                     tie_break: cfg.tie_break,
                     rotation,
                     rr,
-                    rng,
-                    py_rng,
+                    rng: rng.as_mut(),
                     num_tokens,
                     block_size: cfg.block_size,
-                    ttft_slo: cfg.ttft_slo,
-                    admission_work_factor: cfg.admission_factor_at(rho_evident),
+                    ttft_slo: cfg.admission.ttft_slo,
+                    admission_work_factor: cfg.admission.factor_at(self.admission_work_factor, rho_evident),
                     reuse,
                 };
                 let (mut i, mut reason) = match pinned {
@@ -795,7 +815,7 @@ impl Router {
                     None => self.policy.choose(&mut ctx, &mut cands[..within]),
                 };
                 // Early rejection: the policy's choice misses the SLO -> the fastest worker, if any keeps it.
-                if let (true, Some(slo)) = (cfg.reject, cfg.ttft_slo) {
+                if let (true, Some(slo)) = (cfg.admission.reject, cfg.admission.ttft_slo) {
                     let f = ctx.admission_work_factor;
                     let adm = |c: &Candidate| admission_ttft(c, f);
                     if adm(&cands[i]) > slo {
@@ -812,7 +832,7 @@ impl Router {
                 let c = cands[i];
                 fetch_from = self.hot_prefix_holder(cands, &c, num_tokens, &st.workers, &st.pos);
                 // Conditional disaggregation, busy prefill pool: the decode worker is sooner.
-                let busy = cfg.prefill_busy_queue_s.is_some_and(|q| c.queue_delay > q);
+                let busy = cfg.pd.prefill_busy_queue_s.is_some_and(|q| c.queue_delay > q);
                 if let (Some(d), true) = (decode_at, pd && busy && pinned.is_none()) {
                     let local = self.candidate(&st.workers[d], st.overlaps[d], now, num_tokens, 0.0, indexed_at(st, d));
                     if local.predicted_ttft < c.predicted_ttft {
@@ -830,7 +850,7 @@ impl Router {
 
         // Admit: advance the virtual-time queue and (if tracked) the in-flight counts.
         if !pd {
-            predicted_tpot = st.workers[st.pos[&c.worker]].tpot_with_one_more(cfg.decode_step_s);
+            predicted_tpot = st.workers[st.pos[&c.worker]].tpot_with_one_more(cfg.decode.step_s);
         }
         let p_at = st.pos[&c.worker];
         let d_at = decode_at.unwrap_or(p_at);
@@ -843,12 +863,12 @@ impl Router {
         let busy_until = pw.busy_until;
         // Tracked: pending until prefill_done / finished says when (TTL if never); untracked: until
         // the predicted prefill end, the only end the router will know.
-        let pending = if cfg.pending_prefixes {
+        let pending = if cfg.cache_view.pending_prefixes {
             let full = ((num_tokens / bs) as usize).min(hashes.len());
             let indexed = matches.workers.iter().position(|&w| w == c.worker).map_or(0, |i| matches.depths[i] as usize).min(full);
             let until = match req.request_id {
-                Some(_) => now + cfg.pending_ttl_s,
-                None => done_at.max(now) + cfg.pending_grace_s,
+                Some(_) => now + cfg.cache_view.pending_ttl_s,
+                None => done_at.max(now) + cfg.cache_view.pending_grace_s,
             };
             st.pending.add(c.worker, &hashes[indexed..full], until)
         } else {
@@ -856,7 +876,7 @@ impl Router {
         };
         if let Some(id) = req.request_id {
             // A fetched prefix (hot-prefix relief) is not the worker's own: nothing to check.
-            let checkpoints = if cfg.stale_overlaps && fetch_from.is_none() {
+            let checkpoints = if cfg.cache_view.stale_overlaps && fetch_from.is_none() {
                 st.checkpoints.add(id, c.worker, hashes, c.overlap_blocks)
             } else {
                 stale::Held::default()
@@ -915,7 +935,7 @@ impl Router {
     /// cost the cluster), admitted or not: rejected requests are offered load too.
     fn record_offered(st: &mut State, cfg: &RouterConfig, now: f64, num_tokens: u64) -> (f64, f64) {
         let tokens = st.cands.iter().map(|c| c.uncached_tokens).min().unwrap_or(num_tokens);
-        let tau = cfg.load_window();
+        let tau = cfg.admission.load_window();
         let decay = decay_since(&mut st.offered_at, now, tau);
         st.offered_rate = st.offered_rate * decay + tokens as f64 / tau;
         st.offered_sq = st.offered_sq * decay + (tokens as f64).powi(2) / tau;
@@ -924,7 +944,7 @@ impl Router {
             // Arrivals are (close to) a compound Poisson stream: the exponentially weighted rate
             // has variance lambda * E[tokens^2] / (2 tau), and offered_sq estimates lambda * E[tokens^2].
             let std_err = (st.offered_sq / (2.0 * tau)).sqrt();
-            (st.offered_rate / capacity, (st.offered_rate - cfg.shed_load_sigmas * std_err).max(0.0) / capacity)
+            (st.offered_rate / capacity, (st.offered_rate - cfg.admission.shed_load_sigmas * std_err).max(0.0) / capacity)
         } else {
             (0.0, 0.0)
         }
@@ -933,11 +953,8 @@ impl Router {
     /// "capacity": this arrival asks again for the evicted blocks past every worker's cached
     /// prefix (see `evicted`); returns how likely an evicted block is to be asked for again.
     fn record_reuse(st: &mut State, cfg: &RouterConfig, now: f64, hashes: &[u64]) -> f64 {
-        if cfg.policy != "capacity" {
-            return 0.0;
-        }
         let best = st.cands.iter().map(|c| c.overlap_blocks as usize).max().unwrap_or(0);
-        st.evicted.asked(hashes, best, now, cfg.load_window());
+        st.evicted.asked(hashes, best, now, cfg.admission.load_window());
         st.evicted.p()
     }
 
@@ -958,7 +975,7 @@ impl Router {
         let st = self.state.lock();
         let capacity: f64 = st.workers.iter().filter(|w| w.spec.role.prefills()).map(|w| w.prefill_speed()).sum();
         let dt = st.offered_at.map_or(0.0, |t| (now - t).max(0.0));
-        let rate = st.offered_rate * (-dt / self.cfg.load_window()).exp();
+        let rate = st.offered_rate * (-dt / self.cfg.admission.load_window()).exp();
         Ok(if capacity > 0.0 { rate / capacity } else { 0.0 })
     }
 
@@ -1002,7 +1019,7 @@ impl Router {
         workers: &[WorkerLoad],
         pos: &HashMap<WorkerId, usize>,
     ) -> Option<WorkerId> {
-        if self.cfg.kv_bytes_per_token <= 0.0 {
+        if self.cfg.pd.kv_bytes_per_token <= 0.0 {
             return None;
         }
         let holder = cands
@@ -1012,7 +1029,7 @@ impl Router {
         let bs = self.cfg.block_size as u64;
         let extra = (holder.overlap_blocks as u64 * bs).min(num_tokens) - (chosen.overlap_blocks as u64 * bs).min(num_tokens);
         let recompute = workers[pos[&chosen.worker]].token_time(extra);
-        (self.cfg.transfer_time(extra) < recompute).then_some(holder.worker)
+        (self.cfg.pd.transfer_time(extra) < recompute).then_some(holder.worker)
     }
 }
 

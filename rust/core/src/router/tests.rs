@@ -1,9 +1,10 @@
 use super::*;
 use crate::hash::sequence_hashes;
+use crate::router_config;
 
 /// Overlap from the index alone (no pending prefixes): the policies' arithmetic as the seed states it.
 fn router(policy: &str, tie: TieBreak, n: u64) -> Router {
-    let cfg = RouterConfig { policy: policy.into(), tie_break: tie, pending_prefixes: false, ..Default::default() };
+    let cfg = router_config!(policy: policy, tie_break: tie, pending_prefixes: false);
     let r = Router::new(cfg, None).unwrap();
     for w in 0..n {
         r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -69,8 +70,7 @@ fn cache_only_prefers_overlap_then_shorter_queue() {
 fn cache_aware_balance_thresholds() {
     // Loads are in-flight requests; make worker 0 carry `k` tracked requests.
     let run = |k: u64, abs: f64, rel: f64| {
-        let cfg =
-            RouterConfig { policy: "cache_aware".into(), balance_abs_threshold: abs, balance_rel_threshold: rel, ..Default::default() };
+        let cfg = router_config!(policy: "cache_aware", balance_abs_threshold: abs, balance_rel_threshold: rel);
         let r = Router::new(cfg, None).unwrap();
         r.add_worker(0, WorkerSpec::default()).unwrap();
         r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -90,13 +90,7 @@ fn cache_aware_balance_thresholds() {
 
 #[test]
 fn cache_aware_rel_threshold_and_cache_threshold() {
-    let cfg = RouterConfig {
-        policy: "cache_aware".into(),
-        balance_abs_threshold: 1.0,
-        balance_rel_threshold: 3.0,
-        pending_prefixes: false,
-        ..Default::default()
-    };
+    let cfg = router_config!(policy: "cache_aware", balance_abs_threshold: 1.0, balance_rel_threshold: 3.0, pending_prefixes: false);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -120,7 +114,7 @@ fn cache_aware_rel_threshold_and_cache_threshold() {
 
 #[test]
 fn cost_is_dynamos_formula() {
-    let cfg = RouterConfig { policy: "cost".into(), prefill_load_scale: 2.0, ..Default::default() };
+    let cfg = router_config!(policy: "cost", prefill_load_scale: 2.0);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -149,7 +143,7 @@ fn rotate_ties_never_collapse() {
 
 #[test]
 fn rejection_leaves_state_untouched() {
-    let cfg = RouterConfig { policy: "ttft".into(), ttft_slo: Some(0.1), ..Default::default() };
+    let cfg = router_config!(policy: "ttft", ttft_slo: Some(0.1));
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     let big = prompt(8, 4096); // 0.2048 s of prefill > 0.1
@@ -167,7 +161,7 @@ fn rejection_leaves_state_untouched() {
 
 #[test]
 fn slo_fallback_takes_fastest_worker() {
-    let cfg = RouterConfig { policy: "cache_only".into(), ttft_slo: Some(0.05), tie_break: TieBreak::Lowest, ..Default::default() };
+    let cfg = router_config!(policy: "cache_only", ttft_slo: Some(0.05), tie_break: TieBreak::Lowest);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -236,8 +230,8 @@ fn errors() {
         r.route(&RouteRequest { tokens: Some(&p), request_id: Some(1), ..Default::default() }).unwrap_err(),
         RouterError::DuplicateRequest(1)
     );
-    let bad = RouterConfig { policy: "nope".into(), ..Default::default() };
-    assert!(matches!(Router::new(bad, None), Err(RouterError::InvalidConfig(_))));
+    let bad = params::build(Preset::Simulator, [("policy", "nope".into())]);
+    assert!(matches!(bad, Err(RouterError::InvalidConfig(m)) if m.contains("unknown policy \"nope\"; expected one of random,")));
 }
 
 #[test]
@@ -267,7 +261,7 @@ fn pd_router(cfg: RouterConfig) -> Router {
 
 #[test]
 fn pd_pairs_and_transfer_time() {
-    let cfg = RouterConfig { policy: "ttft".into(), tie_break: TieBreak::Lowest, ..Default::default() };
+    let cfg = router_config!(policy: "ttft", tie_break: TieBreak::Lowest);
     let r = pd_router(cfg.clone());
     let p = prompt(13, 640);
     let d = r
@@ -275,7 +269,7 @@ fn pd_pairs_and_transfer_time() {
         .unwrap();
     assert_eq!(d.path, Path::Disaggregated);
     assert_eq!(d.decode_worker, Some(10));
-    assert_eq!(d.predicted_ttft, 640.0 / 20000.0 + cfg.transfer_time(640));
+    assert_eq!(d.predicted_ttft, 640.0 / 20000.0 + cfg.pd.transfer_time(640));
     assert_eq!(d.predicted_tpot, Some(0.01 + 1.0 / 1000.0));
     assert_eq!(r.load(10).unwrap().decode_blocks, 20);
     // Next decode goes to the other (lower TPOT now).
@@ -285,7 +279,7 @@ fn pd_pairs_and_transfer_time() {
 
 #[test]
 fn pd_decode_rejections() {
-    let cfg = RouterConfig { policy: "ttft".into(), tpot_slo: Some(0.0125), ..Default::default() };
+    let cfg = router_config!(policy: "ttft", tpot_slo: Some(0.0125));
     let r = pd_router(cfg);
     let p = prompt(14, 64 * 70);
     // 70 blocks * 1.2 = 84 <= 100 fits; a second would not.
@@ -310,7 +304,7 @@ fn pd_decode_rejections() {
 
 #[test]
 fn conditional_disaggregation() {
-    let cfg = RouterConfig { policy: "ttft".into(), local_prefill_max_tokens: 100, prefill_busy_queue_s: Some(1.0), ..Default::default() };
+    let cfg = router_config!(policy: "ttft", local_prefill_max_tokens: 100, prefill_busy_queue_s: Some(1.0));
     let r = pd_router(cfg);
     let d = route(&r, &prompt(16, 80), 0.0);
     assert_eq!((d.path, d.reason, Some(d.worker)), (Path::Local, Reason::ShortPrompt, d.decode_worker));
@@ -325,7 +319,7 @@ fn conditional_disaggregation() {
 
 #[test]
 fn hot_prefix_fetch_from() {
-    let cfg = RouterConfig { policy: "ttft".into(), ..Default::default() };
+    let cfg = router_config!(policy: "ttft");
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -338,7 +332,7 @@ fn hot_prefix_fetch_from() {
 
 #[test]
 fn unified_tpot_prediction_counts_the_new_sequence() {
-    let r = Router::new(RouterConfig { policy: "ttft".into(), ..Default::default() }, None).unwrap();
+    let r = Router::new(router_config!(policy: "ttft"), None).unwrap();
     r.add_worker(0, WorkerSpec { decode_tokens_per_s: Some(100.0), ..Default::default() }).unwrap();
     let p = prompt(21, 64);
     let d = r.route(&RouteRequest { tokens: Some(&p), now: Some(0.0), request_id: Some(1), ..Default::default() }).unwrap();
@@ -353,7 +347,7 @@ fn optimistic_insert_is_off_by_default() {
     let p = prompt(20, 640);
     route(&r, &p, 0.0);
     assert_eq!(r.index().len(), 0);
-    let cfg = RouterConfig { policy: "ttft".into(), optimistic_insert: true, ..Default::default() };
+    let cfg = router_config!(policy: "ttft", optimistic_insert: true);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(3, WorkerSpec::default()).unwrap();
     route(&r, &p, 0.0);
@@ -390,27 +384,27 @@ fn concurrent_routes_account_every_request() {
 }
 
 fn slack_router(cfg: RouterConfig) -> Router {
-    let r = Router::new(RouterConfig { ttft_slo: Some(2.0), ..cfg }, None).unwrap();
+    let r = Router::new(router_config!(ttft_slo: Some(2.0), ..cfg), None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r
 }
 
 #[test]
 fn admission_factor_ramps_with_offered_load() {
-    let cfg = RouterConfig { policy: "slack".into(), ..Default::default() };
-    assert_eq!((cfg.shed_load_threshold, cfg.shed_load_ramp), (1.0, 1.0));
-    assert_eq!(cfg.admission_factor_at(0.5), 0.0);
-    assert_eq!(cfg.admission_factor_at(1.0), 0.0);
-    assert_eq!(cfg.admission_factor_at(1.25), 0.5);
-    assert_eq!(cfg.admission_factor_at(2.0), 2.0);
-    assert_eq!(cfg.admission_factor_at(9.0), 2.0);
-    let always = RouterConfig { shed_load_threshold: 0.0, shed_load_ramp: 0.0, ..cfg.clone() };
-    assert_eq!(always.admission_factor_at(0.0), 2.0);
-    let ttft = RouterConfig { policy: "ttft".into(), ..Default::default() };
-    assert_eq!(ttft.admission_factor_at(5.0), 0.0);
-    assert_eq!(RouterConfig { ttft_slo: Some(2.0), ..Default::default() }.load_window(), 10.0);
-    assert_eq!(RouterConfig::default().load_window(), 10.0);
-    assert_eq!(RouterConfig { load_window_s: Some(3.0), ..Default::default() }.load_window(), 3.0);
+    let cfg = router_config!(policy: "slack");
+    assert_eq!((cfg.admission.shed_load_threshold, cfg.admission.shed_load_ramp), (1.0, 1.0));
+    assert_eq!(cfg.admission.factor_at(cfg.admission_work_factor(), 0.5), 0.0);
+    assert_eq!(cfg.admission.factor_at(cfg.admission_work_factor(), 1.0), 0.0);
+    assert_eq!(cfg.admission.factor_at(cfg.admission_work_factor(), 1.25), 0.5);
+    assert_eq!(cfg.admission.factor_at(cfg.admission_work_factor(), 2.0), 2.0);
+    assert_eq!(cfg.admission.factor_at(cfg.admission_work_factor(), 9.0), 2.0);
+    let always = router_config!(shed_load_threshold: 0.0, shed_load_ramp: 0.0, ..cfg.clone());
+    assert_eq!(always.admission.factor_at(always.admission_work_factor(), 0.0), 2.0);
+    let ttft = router_config!(policy: "ttft");
+    assert_eq!(ttft.admission.factor_at(ttft.admission_work_factor(), 5.0), 0.0);
+    assert_eq!(router_config!(ttft_slo: Some(2.0)).admission.load_window(), 10.0);
+    assert_eq!(RouterConfig::default().admission.load_window(), 10.0);
+    assert_eq!(router_config!(load_window_s: Some(3.0)).admission.load_window(), 3.0);
 }
 
 #[test]
@@ -425,7 +419,7 @@ fn long_prompt_that_keeps_the_slo_is_admitted_below_capacity() {
     // The offered load is that one prompt over a 10 s window: 800 tokens/s of 20000.
     assert!((r.offered_load(Some(0.0)).unwrap() - 0.04).abs() < 1e-12);
     // Always-on size-aware admission (the previous rule) turns it away: 1.9 + 2 * min(0.4, 1.5) > 2.
-    let old = slack_router(RouterConfig { shed_load_threshold: 0.0, shed_load_ramp: 0.0, ..Default::default() });
+    let old = slack_router(router_config!(shed_load_threshold: 0.0, shed_load_ramp: 0.0));
     old.observe(0, Observed::default(), Some(1.5), Some(0.0)).unwrap();
     let d = route(&old, &big, 0.0);
     assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
@@ -453,7 +447,7 @@ fn overload_switches_size_aware_admission_on() {
 #[test]
 fn random_policy_draws_like_cpython_randrange() {
     let r = router("random", TieBreak::Rotate, 8);
-    let mut py = crate::sim::PyRandom::new(0);
+    let mut py = crate::random::PyRandom::new(0);
     let p = prompt(5, 64);
     for k in 0..200 {
         assert_eq!(route(&r, &p, k as f64).worker, py.randbelow(8));
@@ -467,7 +461,7 @@ fn shedding_waits_for_evident_overload() {
     // estimate's standard error is ~0.5 of capacity. An 8000-token prompt behind a 1.5 s queue
     // (1.9 s, keeps the SLO) is admitted; the previous rule (the bare estimate) turns it away.
     let run = |sigmas: f64| {
-        let r = slack_router(RouterConfig { shed_load_sigmas: sigmas, ..Default::default() });
+        let r = slack_router(router_config!(shed_load_sigmas: sigmas));
         for k in 0..3 {
             let d = route(&r, &prompt(200 + k, 80_000), 0.0);
             assert_eq!((d.admitted, d.reason), (false, Reason::RejectedTtft));
@@ -476,7 +470,7 @@ fn shedding_waits_for_evident_overload() {
         r.observe(0, Observed::default(), Some(1.5), Some(0.0)).unwrap();
         route(&r, &prompt(31, 8000), 0.0)
     };
-    assert_eq!(RouterConfig::default().shed_load_sigmas, 2.0);
+    assert_eq!(RouterConfig::default().admission.shed_load_sigmas, 2.0);
     let d = run(2.0);
     assert!(d.admitted && (d.predicted_ttft - 1.9).abs() < 1e-9, "{d:?}");
     let d = run(0.0);
@@ -489,13 +483,7 @@ fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
     // worker 1's holds 2. A 4-block uncached prompt costs the same prefill on either, but on
     // worker 0 storing it evicts 4 cached blocks (4 * 64 / 20000 s of recompute).
     let make = |eviction_weight: f64| {
-        let cfg = RouterConfig {
-            policy: "slack".into(),
-            eviction_weight,
-            tie_break: TieBreak::Lowest,
-            ttft_slo: Some(2.0),
-            ..Default::default()
-        };
+        let cfg = router_config!(policy: "slack", eviction_weight: eviction_weight, tie_break: TieBreak::Lowest, ttft_slo: Some(2.0));
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(10), ..Default::default() }).unwrap();
@@ -511,10 +499,10 @@ fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
     let ex = d.explain.unwrap();
     assert!((ex[0].score - ex[1].score - 256.0 / 20000.0).abs() < 1e-12, "{ex:?}");
     // Off (the default): equal scores, the lowest id.
-    assert_eq!(RouterConfig::default().eviction_weight, 0.0);
+    assert_eq!(PolicyConfig::named("slack"), Some(PolicyConfig::Slack(policy::Slack { eviction_weight: 0.0, ..Default::default() })));
     assert_eq!(route(&make(0.0), &p, 0.0).worker, 0);
     // Unknown capacity: nothing to charge.
-    let cfg = RouterConfig { policy: "slack".into(), eviction_weight: 1.0, tie_break: TieBreak::Lowest, ..Default::default() };
+    let cfg = router_config!(policy: "slack", eviction_weight: 1.0, tie_break: TieBreak::Lowest);
     let r = Router::new(cfg, None).unwrap();
     for w in 0..2 {
         r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -526,10 +514,10 @@ fn eviction_charge_prefers_a_worker_with_free_prefix_cache() {
 #[test]
 fn new_slack_knobs_are_validated() {
     for cfg in [
-        RouterConfig { shed_load_sigmas: -1.0, ..Default::default() },
-        RouterConfig { shed_load_sigmas: f64::NAN, ..Default::default() },
-        RouterConfig { eviction_weight: -0.5, ..Default::default() },
-        RouterConfig { eviction_weight: f64::INFINITY, ..Default::default() },
+        router_config!(shed_load_sigmas: -1.0),
+        router_config!(shed_load_sigmas: f64::NAN),
+        router_config!(policy: "slack", eviction_weight: -0.5),
+        router_config!(policy: "slack", eviction_weight: f64::INFINITY),
     ] {
         assert!(matches!(Router::new(cfg, None), Err(RouterError::InvalidConfig(_))));
     }
@@ -539,7 +527,7 @@ fn new_slack_knobs_are_validated() {
 fn node_score_is_seed_003s_weighted_score() {
     // Worker 0 holds the whole prompt but has a queue; the score is cache-blind, so worker 1 (idle,
     // twice as fast) wins: 0.4 + 0.3 + 0.2 + 0.1 = 1.0 against less for worker 0.
-    let cfg = RouterConfig { policy: "node_score".into(), ttft_slo: Some(2.0), tie_break: TieBreak::Lowest, ..Default::default() };
+    let cfg = router_config!(policy: "node_score", ttft_slo: Some(2.0), tie_break: TieBreak::Lowest);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec { prefill_tokens_per_s: 10_000.0, ..Default::default() }).unwrap();
     r.add_worker(1, WorkerSpec { prefill_tokens_per_s: 20_000.0, ..Default::default() }).unwrap();
@@ -575,13 +563,7 @@ fn capacity_charges_the_evictions_a_full_cache_makes() {
     let a = prompt(21, 2048);
     let other = prompt(22, 2048);
     let make = |policy: &str| {
-        let cfg = RouterConfig {
-            policy: policy.into(),
-            tie_break: TieBreak::Lowest,
-            ttft_slo: Some(2.0),
-            pending_prefixes: false,
-            ..Default::default()
-        };
+        let cfg = router_config!(policy: policy, tie_break: TieBreak::Lowest, ttft_slo: Some(2.0), pending_prefixes: false);
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { prefix_cache_blocks: Some(32), ..Default::default() }).unwrap();
@@ -636,7 +618,7 @@ fn seed_decode_score_prefers_bandwidth_over_a_small_batch() {
     // request: 11 (0.0105 s vs 0.01275 s). The seed 003 score: 10 (0.375 + 0.3 + 0.192 = 0.867)
     // over 11 (0.4 + 0.15 + 0.2 = 0.75).
     let build = |rule: DecodeRule| {
-        let cfg = RouterConfig { policy: "ttft".into(), tie_break: TieBreak::Lowest, decode_rule: rule, ..Default::default() };
+        let cfg = router_config!(policy: "ttft", tie_break: TieBreak::Lowest, decode_choice: rule);
         let r = Router::new(cfg, None).unwrap();
         r.add_worker(0, WorkerSpec { role: Role::Prefill, ..Default::default() }).unwrap();
         let dec = |speed: f64| WorkerSpec {
@@ -665,12 +647,12 @@ fn seed_decode_score_prefers_bandwidth_over_a_small_batch() {
 #[test]
 fn compressed_transfer_halves_the_bytes() {
     let plain = RouterConfig::default();
-    let fp8 = RouterConfig { kv_compression: 0.5, ..Default::default() };
-    let bytes = |c: &RouterConfig, n: u64| (c.transfer_time(n) - c.link_latency_s) * c.link_bytes_per_s;
+    let fp8 = router_config!(kv_compression: 0.5);
+    let bytes = |c: &RouterConfig, n: u64| (c.pd.transfer_time(n) - c.pd.link_latency_s) * c.pd.link_bytes_per_s;
     assert!((bytes(&fp8, 1000) - 0.5 * bytes(&plain, 1000)).abs() < 1e-3);
-    assert_eq!(fp8.transfer_time(0), 0.0);
+    assert_eq!(fp8.pd.transfer_time(0), 0.0);
     for bad in [0.0, 1.5, f64::NAN] {
-        assert!(Router::new(RouterConfig { kv_compression: bad, ..Default::default() }, None).is_err());
+        assert!(Router::new(router_config!(kv_compression: bad), None).is_err());
     }
 }
 
@@ -678,10 +660,10 @@ fn compressed_transfer_halves_the_bytes() {
 /// request. Requests arrive every `gap` s with seeded lengths; the router hears `prefill_done`
 /// at each true finish time, in time order with the arrivals.
 fn drive_unknown_engine(model: TtftModel, speed: f64, overhead: f64, gap: f64, n: u64) -> Vec<(f64, f64)> {
-    let cfg = RouterConfig { policy: "ttft".into(), ttft_model: model, block_size: 32, ..Default::default() };
+    let cfg = router_config!(policy: "ttft", ttft_model: model, block_size: 32);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap(); // registered at 20000 tokens/s
-    let mut rng = policy::Rng::new(7);
+    let mut rng = crate::random::SplitMix64::new(7);
     let (mut busy, mut pending): (f64, Vec<(f64, u64)>) = (0.0, Vec::new());
     let mut out = Vec::new();
     for id in 0..n {
@@ -714,7 +696,7 @@ fn learned_ttft_model_finds_an_engines_speed_and_overhead() {
     // Learned: the FIFO engine's exact service time, so the virtual queue is exact too.
     assert!(err(&learned) < 1e-6, "learned error {} vs mean TTFT {mean}", err(&learned));
     assert_eq!(RouterConfig::default().ttft_model, TtftModel::Configured);
-    let r = Router::new(RouterConfig { ttft_model: TtftModel::Learned, ..Default::default() }, None).unwrap();
+    let r = Router::new(router_config!(ttft_model: TtftModel::Learned), None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     assert!(r.load(0).unwrap().prefill_fit.fitted.is_none(), "no samples, no fit");
 }
@@ -744,7 +726,7 @@ fn prefill_fit_waits_for_samples_and_keeps_a_sane_shape() {
     // configured slope already predicts more than measured).
     let noise = |prior: f64| {
         let mut n = PrefillFit::default();
-        let mut rng = policy::Rng::new(11);
+        let mut rng = crate::random::SplitMix64::new(11);
         for i in 0..200 {
             n.add((i * 37 % 2000) as f64, 0.003 + 0.002 * rng.next_f64(), prior);
         }
@@ -755,7 +737,7 @@ fn prefill_fit_waits_for_samples_and_keeps_a_sane_shape() {
     assert!(b == 1e-7 && a > 0.003 && a < 0.005, "{a} {b}");
     // A weak positive slope under heavy noise is not evidence either.
     let mut weak = PrefillFit::default();
-    let mut rng = policy::Rng::new(5);
+    let mut rng = crate::random::SplitMix64::new(5);
     for i in 0..200 {
         let x = (i * 37 % 2000) as f64;
         weak.add(x, 0.01 + 1e-8 * x + 0.02 * rng.next_f64(), 1e-6);
@@ -788,7 +770,7 @@ fn back_to_back_requests_with_a_new_prefix_share_a_worker() {
     let system = prompt(30, 1024);
     let ask = |q: u32| [system.clone(), prompt(q, 200)].concat();
     for (on, policy) in [(true, "slack"), (true, "cache_only"), (true, "cache_aware"), (false, "cache_only")] {
-        let cfg = RouterConfig { policy: policy.into(), pending_prefixes: on, ..Default::default() };
+        let cfg = router_config!(policy: policy, pending_prefixes: on);
         let r = Router::new(cfg, None).unwrap();
         for w in 0..4 {
             r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -807,7 +789,7 @@ fn back_to_back_requests_with_a_new_prefix_share_a_worker() {
 
 #[test]
 fn pending_prefixes_go_away_after_prefill_done_plus_grace() {
-    let cfg = RouterConfig { pending_grace_s: 0.5, pending_ttl_s: 30.0, ..Default::default() };
+    let cfg = router_config!(pending_grace_s: 0.5, pending_ttl_s: 30.0);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     let p = prompt(33, 640);
@@ -828,7 +810,7 @@ fn pending_prefixes_go_away_after_prefill_done_plus_grace() {
 
 #[test]
 fn untracked_requests_pend_until_their_predicted_prefill_end() {
-    let r = Router::new(RouterConfig { pending_grace_s: 0.25, ..Default::default() }, None).unwrap();
+    let r = Router::new(router_config!(pending_grace_s: 0.25), None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     let p = prompt(36, 2000); // 0.1 s of prefill at 20k tokens/s
     route(&r, &p, 0.0);
@@ -841,7 +823,7 @@ fn untracked_requests_pend_until_their_predicted_prefill_end() {
 fn callers_that_never_report_are_bounded_by_the_ttl() {
     // 10 tracked requests a second with distinct prompts, never finished: the pending set holds
     // only the last TTL's worth.
-    let cfg = RouterConfig { pending_ttl_s: 2.0, ..Default::default() };
+    let cfg = router_config!(pending_ttl_s: 2.0);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec { prefill_tokens_per_s: 1e9, ..Default::default() }).unwrap();
     for i in 0..1000u64 {
@@ -856,10 +838,10 @@ fn callers_that_never_report_are_bounded_by_the_ttl() {
 #[test]
 fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
     for bad in [
-        RouterConfig { pending_grace_s: -1.0, ..Default::default() },
-        RouterConfig { pending_grace_s: f64::NAN, ..Default::default() },
-        RouterConfig { pending_ttl_s: 0.0, ..Default::default() },
-        RouterConfig { pending_ttl_s: f64::INFINITY, ..Default::default() },
+        router_config!(pending_grace_s: -1.0),
+        router_config!(pending_grace_s: f64::NAN),
+        router_config!(pending_ttl_s: 0.0),
+        router_config!(pending_ttl_s: f64::INFINITY),
     ] {
         assert!(matches!(Router::new(bad, None), Err(RouterError::InvalidConfig(_))));
     }
@@ -876,7 +858,7 @@ fn pending_prefixes_are_validated_and_dropped_with_their_worker() {
 
 /// Workers 0 and 1 under "cache_only", ties to the lowest id: placement by overlap alone.
 fn cache_only_pair() -> Router {
-    let r = Router::new(RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, ..Default::default() }, None).unwrap();
+    let r = Router::new(router_config!(policy: "cache_only", tie_break: TieBreak::Lowest), None).unwrap();
     for w in 0..2 {
         r.add_worker(w, WorkerSpec::default()).unwrap();
     }
@@ -926,7 +908,7 @@ fn a_pending_block_its_engine_removed_no_longer_counts() {
     tracked(&r, &q, 0.4, 4);
     assert_eq!(tracked(&r, &q, 0.5, 5).overlap_blocks, 10);
     // Without pending prefixes the Router does not subscribe to the index's removals.
-    let off = Router::new(RouterConfig { pending_prefixes: false, ..Default::default() }, Some(r.index().clone())).unwrap();
+    let off = Router::new(router_config!(pending_prefixes: false), Some(r.index().clone())).unwrap();
     drop(off);
 }
 
@@ -936,7 +918,7 @@ fn unified_step_time_charges_the_decodes_a_prefill_runs_beside() {
     // Worker 0 holds 512 of the prompt's 576 tokens (25.6 ms of recompute at 20,000 tokens/s
     // elsewhere) but runs 8 requests: its step is 0.01 + 8 / 200 = 50 ms against worker 1's 10 ms.
     let make = |decode_tokens_per_s: Option<f64>| {
-        let cfg = RouterConfig { tie_break: TieBreak::Lowest, pending_prefixes: false, ..Default::default() };
+        let cfg = router_config!(tie_break: TieBreak::Lowest, pending_prefixes: false);
         let r = Router::new(cfg, None).unwrap();
         for w in 0..2 {
             r.add_worker(w, WorkerSpec { decode_tokens_per_s, ..Default::default() }).unwrap();
@@ -1020,7 +1002,7 @@ fn slack_and_capacity_break_ties_toward_the_worker_idle_longest() {
 /// shows on worker 0; the engine has evicted blocks 20.. of it, and the removal arrives after the
 /// routing (the event lag).
 fn stale_case(stale: bool) -> (Router, Vec<u64>) {
-    let cfg = RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, stale_overlaps: stale, ..Default::default() };
+    let cfg = router_config!(policy: "cache_only", tie_break: TieBreak::Lowest, stale_overlaps: stale);
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     let p = prompt(50, 40 * 64);
@@ -1091,13 +1073,8 @@ fn a_cleared_cache_takes_every_queued_requests_overlap() {
 /// A `cache_only` router over `n` workers with `token_share_bound`, whose index alone (no pending
 /// prefixes) holds `p`, on worker 0 only.
 fn bounded(bound: Option<f64>, n: u64, p: &[u32]) -> Router {
-    let cfg = RouterConfig {
-        policy: "cache_only".into(),
-        token_share_bound: bound,
-        load_window_s: Some(1000.0), // the tests' runs are one window; the decay test waits 20 windows
-        pending_prefixes: false,
-        ..Default::default()
-    };
+    // The tests' runs are one window; the decay test waits 20 windows.
+    let cfg = router_config!(policy: "cache_only", token_share_bound: bound, load_window_s: Some(1000.0), pending_prefixes: false);
     let r = Router::new(cfg, None).unwrap();
     for w in 0..n {
         r.add_worker(w, WorkerSpec::default()).unwrap();
@@ -1151,7 +1128,7 @@ fn token_share_bound_never_rejects_pins_or_counts_rejected_requests() {
     // Worker 0 holds all 20 pinned requests' tokens: the next unpinned one goes to worker 1.
     assert_eq!(route(&r, &p, 0.21).worker, 1);
     // A rejected request is not counted: with an SLO no worker keeps, nothing is routed anywhere.
-    let cfg = RouterConfig { policy: "cache_only".into(), token_share_bound: Some(1.25), ttft_slo: Some(1e-6), ..Default::default() };
+    let cfg = router_config!(policy: "cache_only", token_share_bound: Some(1.25), ttft_slo: Some(1e-6));
     let r = Router::new(cfg, None).unwrap();
     r.add_worker(0, WorkerSpec::default()).unwrap();
     r.add_worker(1, WorkerSpec::default()).unwrap();
@@ -1178,7 +1155,7 @@ fn token_share_bound_decays_over_the_load_window() {
 #[test]
 fn token_share_bound_is_validated() {
     for bad in [0.5, f64::NAN, f64::INFINITY] {
-        let cfg = RouterConfig { token_share_bound: Some(bad), ..Default::default() };
+        let cfg = router_config!(token_share_bound: Some(bad));
         let err = Router::new(cfg, None).err().expect("refused").to_string();
         assert!(err.contains("token_share_bound must be a finite number >= 1"), "{err}");
     }
@@ -1186,8 +1163,7 @@ fn token_share_bound_is_validated() {
 
 /// Two unified "cache_only" workers with `spec`, ties to the lowest id, rejection as given.
 fn two_unified(reject: bool, spec: WorkerSpec) -> Router {
-    let cfg =
-        RouterConfig { policy: "cache_only".into(), tie_break: TieBreak::Lowest, pending_prefixes: false, reject, ..Default::default() };
+    let cfg = router_config!(policy: "cache_only", tie_break: TieBreak::Lowest, pending_prefixes: false, reject: reject);
     let r = Router::new(cfg, None).unwrap();
     for w in 0..2 {
         r.add_worker(w, spec.clone()).unwrap();

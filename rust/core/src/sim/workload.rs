@@ -1,7 +1,7 @@
 //! The seed chapter's multi-turn chat workload, generated with CPython's `random.Random` in the
 //! seed's exact call order, so a seed gives the very requests the seed's Python script gives.
 
-use super::pyrandom::PyRandom;
+use crate::random::PyRandom;
 
 /// Shape of the seed's chat workload (defaults: the seed's constants).
 #[derive(Clone, Debug, PartialEq)]

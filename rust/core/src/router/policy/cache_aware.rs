@@ -2,13 +2,34 @@
 //! max_load > rel threshold * min_load, load = in-flight requests) -> least loaded; else the
 //! best-overlap worker if its matched fraction exceeds `cache_threshold`; else least loaded.
 
-use super::{pick_min, Ctx, Policy};
+use super::{finite_nonneg, pick_min, Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
 
+#[derive(Clone, Debug, PartialEq)]
 pub struct CacheAware {
+    /// Route to the best-overlap worker when matched tokens / prompt tokens exceed this.
     pub cache_threshold: f64,
+    /// The load gap (in-flight requests) beyond which the system counts as imbalanced ...
     pub balance_abs_threshold: f64,
+    /// ... when also max_load > this * min_load.
     pub balance_rel_threshold: f64,
+}
+
+impl Default for CacheAware {
+    /// SGLang router's defaults.
+    fn default() -> Self {
+        CacheAware { cache_threshold: 0.3, balance_abs_threshold: 64.0, balance_rel_threshold: 1.5 }
+    }
+}
+
+impl CacheAware {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return Err(format!("cache_threshold must be in [0, 1], got {}", self.cache_threshold));
+        }
+        finite_nonneg("balance_abs_threshold", self.balance_abs_threshold)?;
+        finite_nonneg("balance_rel_threshold", self.balance_rel_threshold)
+    }
 }
 
 impl Policy for CacheAware {

@@ -30,10 +30,13 @@
 //! No constant is fitted: the weight is slack's `prefill_weight` (recompute later is compute,
 //! as the prefill now is). Workers without `prefix_cache_blocks` are charged nothing.
 
-use super::slack::Slack;
-use super::{Ctx, Policy};
+use super::slack::{Slack, ADMISSION_WORK_FACTOR};
+use super::{Ctx, Needs, Policy};
 use crate::router::decision::{Candidate, Reason};
 
+/// slack's weights (its `eviction_weight` stays 0 unless set in Rust: the capacity charge is the
+/// eviction cost this policy is built around).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Capacity {
     pub slack: Slack,
 }
@@ -41,6 +44,12 @@ pub struct Capacity {
 impl Policy for Capacity {
     fn name(&self) -> &'static str {
         "capacity"
+    }
+    fn needs(&self) -> Needs {
+        Needs { evictions: true, usage_occupancy: true, eviction_reuse: true, ..self.slack.eviction_needs() }
+    }
+    fn default_admission_work_factor(&self) -> f64 {
+        ADMISSION_WORK_FACTOR
     }
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
         let scale = ctx.ttft_slo.unwrap_or(1.0);

@@ -1,12 +1,29 @@
 //! "cost": Dynamo's KV router cost, `prefill_load_scale * max(prefill_blocks - overlap, 0) +
 //! decode_blocks`, where both block counts include this request; softmax sampling with a temperature.
 
-use super::{pick_min, Ctx, Policy};
+use super::{finite_nonneg, pick_min, Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
 
+#[derive(Clone, Debug, PartialEq)]
 pub struct Cost {
+    /// Weight of the prefill blocks against decode blocks (Dynamo's `prefill_load_scale`).
     pub prefill_load_scale: f64,
+    /// Softmax temperature over normalised costs; 0 takes the minimum.
     pub temperature: f64,
+}
+
+impl Default for Cost {
+    /// Dynamo's defaults.
+    fn default() -> Self {
+        Cost { prefill_load_scale: 1.0, temperature: 0.0 }
+    }
+}
+
+impl Cost {
+    pub fn validate(&self) -> Result<(), String> {
+        finite_nonneg("prefill_load_scale", self.prefill_load_scale)?;
+        finite_nonneg("temperature", self.temperature)
+    }
 }
 
 impl Policy for Cost {
@@ -31,7 +48,7 @@ impl Policy for Cost {
         // Softmax over costs normalised to [0, 1], so the temperature means the same at any scale.
         let weight = |c: &Candidate| (-((c.score - lo) / (hi - lo)) / self.temperature).exp();
         let total: f64 = cands.iter().map(weight).sum();
-        let mut x = ctx.rng.next_f64() * total;
+        let mut x = ctx.rng.unit() * total;
         for (i, c) in cands.iter().enumerate() {
             x -= weight(c);
             if x < 0.0 {

@@ -1,5 +1,6 @@
-//! Routing policies: one small file per policy behind the `Policy` trait, built by name.
-//! Shared here: the tie-break (`pick_min`) and a tiny seeded PRNG, so every policy breaks ties alike.
+//! Routing policies: one small file per policy behind the `Policy` trait, built from `PolicyConfig`.
+//! Shared here: `PolicyConfig` (each policy with its own parameters) and the tie-break (`pick_min`),
+//! so every policy breaks ties alike.
 
 mod cache_aware;
 mod cache_only;
@@ -12,27 +13,155 @@ mod round_robin;
 mod slack;
 mod ttft;
 
-use super::config::{RouterConfig, TieBreak};
-use super::decision::{Candidate, Reason};
+pub use cache_aware::CacheAware;
+pub use capacity::Capacity;
+pub use cost::Cost;
+pub use slack::Slack;
 
-/// Policy names accepted by `make_policy` (and `RouterConfig::policy`).
-pub const POLICIES: &[&str] =
-    &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "capacity", "slack"];
+use super::decision::{Candidate, Reason};
+use crate::random::RandomSource;
+
+/// How remaining ties between equally scored workers are broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TieBreak {
+    /// Lower load first (queueing delay, then in-flight requests), then rotate among the rest,
+    /// so equal scores never pile onto one worker.
+    Rotate,
+    /// The lowest worker id, as the seed's `min(range(N), key=...)` does.
+    Lowest,
+}
+
+impl TieBreak {
+    pub const NAMES: &'static [&'static str] = &["rotate", "lowest"];
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "rotate" => Some(TieBreak::Rotate),
+            "lowest" => Some(TieBreak::Lowest),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TieBreak::Rotate => "rotate",
+            TieBreak::Lowest => "lowest",
+        }
+    }
+}
+
+/// A policy and its own parameters. `PolicyConfig::named` gives a policy with its defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PolicyConfig {
+    Random,
+    RoundRobin,
+    LeastLoad,
+    CacheOnly,
+    CacheAware(CacheAware),
+    Ttft,
+    NodeScore,
+    Cost(Cost),
+    Capacity(Capacity),
+    Slack(Slack),
+}
+
+impl Default for PolicyConfig {
+    /// "capacity" (docs/router.md says why it is the default).
+    fn default() -> Self {
+        PolicyConfig::Capacity(Capacity::default())
+    }
+}
+
+impl PolicyConfig {
+    /// Every policy's name, as `named` accepts them.
+    pub const NAMES: &'static [&'static str] =
+        &["random", "round_robin", "least_load", "cache_only", "cache_aware", "ttft", "cost", "node_score", "capacity", "slack"];
+
+    /// The policy called `name`, with its default parameters.
+    pub fn named(name: &str) -> Option<Self> {
+        Some(match name {
+            "random" => PolicyConfig::Random,
+            "round_robin" => PolicyConfig::RoundRobin,
+            "least_load" => PolicyConfig::LeastLoad,
+            "cache_only" => PolicyConfig::CacheOnly,
+            "cache_aware" => PolicyConfig::CacheAware(CacheAware::default()),
+            "ttft" => PolicyConfig::Ttft,
+            "node_score" => PolicyConfig::NodeScore,
+            "cost" => PolicyConfig::Cost(Cost::default()),
+            "capacity" => PolicyConfig::Capacity(Capacity::default()),
+            "slack" => PolicyConfig::Slack(Slack::default()),
+            _ => return None,
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.build().name()
+    }
+
+    /// The policy itself.
+    pub fn build(&self) -> Box<dyn Policy> {
+        match self {
+            PolicyConfig::Random => Box::new(random::Random),
+            PolicyConfig::RoundRobin => Box::new(round_robin::RoundRobin),
+            PolicyConfig::LeastLoad => Box::new(least_load::LeastLoad),
+            PolicyConfig::CacheOnly => Box::new(cache_only::CacheOnly),
+            PolicyConfig::CacheAware(p) => Box::new(p.clone()),
+            PolicyConfig::Ttft => Box::new(ttft::Ttft),
+            PolicyConfig::NodeScore => Box::new(node_score::NodeScore),
+            PolicyConfig::Cost(p) => Box::new(p.clone()),
+            PolicyConfig::Capacity(p) => Box::new(p.clone()),
+            PolicyConfig::Slack(p) => Box::new(p.clone()),
+        }
+    }
+
+    /// Checks the parameters: `Err` names the first bad one and what was expected.
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            PolicyConfig::CacheAware(p) => p.validate(),
+            PolicyConfig::Cost(p) => p.validate(),
+            PolicyConfig::Capacity(p) => p.slack.validate(),
+            PolicyConfig::Slack(p) => p.validate(),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `Ok` when `v` is a finite number >= 0, else the message saying so.
+pub(crate) fn finite_nonneg(name: &str, v: f64) -> Result<(), String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{name} must be a finite number >= 0, got {v}"))
+    }
+}
+
+/// What a policy needs the router to measure for it, beyond overlap and load. The router reads
+/// the index's occupancy and removal log only for policies that ask (both cost time per route).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// Per worker with a `prefix_cache_blocks` size, the blocks a placement would evict
+    /// (`Candidate::evicted_blocks`, `cache_fill`), from the index's count of its cached blocks.
+    pub evictions: bool,
+    /// That occupancy raised by the engine's reported KV usage when it is higher (blocks held by
+    /// running requests but not, or not yet, cached).
+    pub usage_occupancy: bool,
+    /// `Candidate::evict_time`: the prefill seconds of what a placement evicts.
+    pub evict_time: bool,
+    /// `Ctx::reuse`: how often the engines' evicted blocks are asked for again (the removal log).
+    pub eviction_reuse: bool,
+}
 
 /// Mutable routing state a policy may advance (under the router's lock).
 pub struct Ctx<'a> {
     pub tie_break: TieBreak,
     pub rotation: &'a mut u64,
     pub rr: &'a mut u64,
-    pub rng: &'a mut Rng,
-    /// CPython's `random.Random(seed)`, for "random" (`randrange(n)` per decision, as the seed draws).
-    pub py_rng: &'a mut crate::sim::PyRandom,
+    /// The Router's random source (see `crate::random`).
+    pub rng: &'a mut dyn RandomSource,
     pub num_tokens: u64,
     pub block_size: usize,
     pub ttft_slo: Option<f64>,
-    /// See `RouterConfig::admission_work_factor`.
+    /// The admission work factor in force (see `AdmissionConfig::work_factor`).
     pub admission_work_factor: f64,
-    /// Recent fraction of arriving prompt blocks that were cached somewhere ("capacity").
+    /// How likely an evicted block is to be asked for again (`Needs::eviction_reuse`).
     pub reuse: f64,
 }
 
@@ -52,41 +181,14 @@ pub fn admission_ttft(c: &Candidate, factor: f64) -> f64 {
 pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason);
-}
-
-/// Builds a policy by name with its parameters from `cfg`.
-pub fn make_policy(cfg: &RouterConfig) -> Option<Box<dyn Policy>> {
-    Some(match cfg.policy.as_str() {
-        "random" => Box::new(random::Random),
-        "round_robin" => Box::new(round_robin::RoundRobin),
-        "least_load" => Box::new(least_load::LeastLoad),
-        "cache_only" => Box::new(cache_only::CacheOnly),
-        "cache_aware" => Box::new(cache_aware::CacheAware {
-            cache_threshold: cfg.cache_threshold,
-            balance_abs_threshold: cfg.balance_abs_threshold,
-            balance_rel_threshold: cfg.balance_rel_threshold,
-        }),
-        "ttft" => Box::new(ttft::Ttft),
-        "node_score" => Box::new(node_score::NodeScore),
-        "cost" => Box::new(cost::Cost { prefill_load_scale: cfg.prefill_load_scale, temperature: cfg.temperature }),
-        "capacity" => Box::new(capacity::Capacity {
-            slack: slack::Slack {
-                queue_weight: cfg.queue_weight,
-                prefill_weight: cfg.prefill_weight,
-                pressure_weight: cfg.pressure_weight,
-                eviction_weight: 0.0,
-                slo_margin: cfg.slo_margin,
-            },
-        }),
-        "slack" => Box::new(slack::Slack {
-            queue_weight: cfg.queue_weight,
-            prefill_weight: cfg.prefill_weight,
-            pressure_weight: cfg.pressure_weight,
-            eviction_weight: cfg.eviction_weight,
-            slo_margin: cfg.slo_margin,
-        }),
-        _ => return None,
-    })
+    /// What the router must measure for this policy (nothing beyond overlap and load by default).
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+    /// The admission work factor when the config leaves it unset (`AdmissionConfig::work_factor`).
+    fn default_admission_work_factor(&self) -> f64 {
+        0.0
+    }
 }
 
 /// Index of the candidate with the smallest `key` among those `allowed`, ties broken per
@@ -146,29 +248,4 @@ pub fn pick_min_by<T, L: PartialOrd + Copy>(
         n
     };
     items.iter().enumerate().filter(|(_, c)| tied(c) && load(c) == min_load).nth(nth as usize).map(|(i, _)| i)
-}
-
-/// SplitMix64: a small, seeded, well-mixed generator (enough for routing choices).
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-    /// Uniform in 0..n (n > 0), without modulo bias worth caring about for n << 2^64.
-    pub fn below(&mut self, n: u64) -> u64 {
-        ((self.next_u64() as u128 * n as u128) >> 64) as u64
-    }
 }

@@ -1,5 +1,6 @@
-//! "random": a uniformly random worker, `random.Random(seed).randrange(n)` per decision (CPython's
-//! MT19937), so `Router(policy="random", seed=1)` makes the seed chapter's own draws.
+//! "random": a uniformly random worker, one `below(n)` of the Router's random source per decision
+//! (by default CPython's `random.Random(seed).randrange(n)`, so `Router(policy="random", seed=1)`
+//! makes the seed chapter's own draws).
 
 use super::{Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
@@ -11,6 +12,6 @@ impl Policy for Random {
         "random"
     }
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
-        (ctx.py_rng.randbelow(cands.len() as u64) as usize, Reason::Random)
+        (ctx.rng.below(cands.len() as u64) as usize, Reason::Random)
     }
 }

@@ -12,15 +12,53 @@
 //! falls back to minimum TTFT or rejects. With `eviction_weight` (off by default) a worker whose
 //! full prefix cache would evict cached blocks to store this request is charged their recompute.
 
-use super::{admission_ttft, pick_min_by, Ctx, Policy};
+use super::{admission_ttft, finite_nonneg, pick_min_by, Ctx, Needs, Policy};
 use crate::router::decision::{Candidate, Reason};
 
+#[derive(Clone, Debug, PartialEq)]
 pub struct Slack {
+    /// Weight of the queueing delay a worker would impose.
     pub queue_weight: f64,
+    /// Weight of the uncached prefill time (the compute the choice spends, which every later
+    /// request on that worker waits for).
     pub prefill_weight: f64,
+    /// Weight of the queueing the choice imposes on later requests there, modelled as
+    /// work * (queue + work) / ttft_slo (convex: the same work hurts more on a worker near the SLO).
     pub pressure_weight: f64,
+    /// Weight of `evict_time`, the prefill seconds of cached blocks a worker's full prefix cache
+    /// would evict to store the request (workers registered with `prefix_cache_blocks`).
+    /// 0 (the default): not charged, and occupancy is not looked up.
     pub eviction_weight: f64,
+    /// Fraction of the TTFT SLO held back as a safety margin when judging feasibility.
     pub slo_margin: f64,
+}
+
+impl Default for Slack {
+    fn default() -> Self {
+        Slack { queue_weight: 0.2, prefill_weight: 1.0, pressure_weight: 8.0, eviction_weight: 0.0, slo_margin: 0.0 }
+    }
+}
+
+/// Size-aware admission's factor for the slack family (`AdmissionConfig::work_factor`).
+pub(super) const ADMISSION_WORK_FACTOR: f64 = 2.0;
+
+impl Slack {
+    pub fn validate(&self) -> Result<(), String> {
+        finite_nonneg("queue_weight", self.queue_weight)?;
+        finite_nonneg("prefill_weight", self.prefill_weight)?;
+        finite_nonneg("pressure_weight", self.pressure_weight)?;
+        finite_nonneg("eviction_weight", self.eviction_weight)?;
+        if !(0.0..1.0).contains(&self.slo_margin) {
+            return Err(format!("slo_margin must be in [0, 1), got {}", self.slo_margin));
+        }
+        Ok(())
+    }
+
+    /// What charging `eviction_weight` needs measured.
+    pub(super) fn eviction_needs(&self) -> Needs {
+        let charged = self.eviction_weight > 0.0;
+        Needs { evictions: charged, evict_time: charged, ..Needs::default() }
+    }
 }
 
 impl Slack {
@@ -64,6 +102,12 @@ impl Slack {
 impl Policy for Slack {
     fn name(&self) -> &'static str {
         "slack"
+    }
+    fn needs(&self) -> Needs {
+        self.eviction_needs()
+    }
+    fn default_admission_work_factor(&self) -> f64 {
+        ADMISSION_WORK_FACTOR
     }
     fn choose(&self, ctx: &mut Ctx<'_>, cands: &mut [Candidate]) -> (usize, Reason) {
         let scale = ctx.ttft_slo.unwrap_or(1.0);
