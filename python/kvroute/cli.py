@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvroute.router_flags import add_router_flags, router_options
+
 if TYPE_CHECKING:
     from kvroute.sim import ClusterConfig, Workload
 
@@ -88,12 +90,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--decode-speed", type=float, default=2000.0, help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)"
     )
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO in seconds (PD mode; default none)")
-    p.add_argument(
-        "--decode-choice",
-        choices=("tpot", "score"),
-        default="tpot",
-        help="PD mode: decode worker by lowest predicted TPOT (default) or the seed 003 chapter's score",
-    )
+    add_router_flags(p, ["decode_choice"])
     p.add_argument("--kv-compression", type=float, default=1.0, help="PD mode: bytes sent per KV byte (default 1; 0.5 = fp8 transfer)")
     p.add_argument(
         "--incremental-transfer", action="store_true", help="PD mode: decode instances cache prefixes; only the blocks they lack move"
@@ -113,9 +110,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
-    p.add_argument(
-        "--tie-break", choices=("lowest", "rotate"), help="tie-break (default: lowest for seed-chat, as the seed; rotate otherwise)"
-    )
+    add_router_flags(p, ["tie_break"], tie_break="tie-break; default lowest for seed-chat, as the seed, rotate otherwise")
     p.add_argument("--router-seed", type=int, default=1, help="seed of the router's random choices (default 1, the seed's Random(1))")
     p.add_argument("--kv-blocks", type=int, help="aisim: KV pool per engine in blocks (default 16384 of 64 tokens)")
     p.add_argument("--itl-slo", type=float, help="aisim: mean inter-token latency SLO in seconds (default 0.2, MLPerf Llama-2-70B server)")
@@ -265,7 +260,12 @@ def cmd_simulate_aisim(a: argparse.Namespace) -> int:
             router = None
             if name != "round_robin":
                 router = router_for(
-                    engine, policy=name, ttft_slo=slo, reject=a.reject, seed=a.router_seed, tie_break=a.tie_break or "rotate"
+                    engine,
+                    policy=name,
+                    ttft_slo=slo,
+                    reject=a.reject,
+                    seed=a.router_seed,
+                    tie_break=router_options(a).get("tie_break", "rotate"),
                 )
             try:
                 r = replay(trace, router=router, engine=engine, ttft_slo=slo, itl_slo=itl, speedup=speedup, **topo)  # type: ignore[arg-type]
@@ -308,8 +308,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
     def tie_for(policy: str) -> str:
         # The seed's rows break ties by lowest index, as the seed's min()/max() do; ours rotate.
-        if a.tie_break:
-            return str(a.tie_break)
+        if "tie_break" in router_options(a):
+            return str(router_options(a)["tie_break"])
         return "lowest" if scenario == "seed-chat" and policy in seed_policies else "rotate"
 
     known = _policies()
@@ -352,7 +352,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     for w in workloads():
         block = []
         for policy, reject in rows:
-            opts = {"decode_choice": a.decode_choice} if a.decode_choice != "tpot" else None
+            opts = {k: v for k, v in router_options(a).items() if k == "decode_choice"} or None
             r = simulate(
                 w,
                 policy,

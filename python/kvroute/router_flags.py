@@ -13,16 +13,19 @@ from __future__ import annotations
 import argparse
 import ast
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvroute._core import router_parameters
+
+if TYPE_CHECKING:
+    from kvroute._core import Preset
 
 __all__ = ["add_router_flags", "router_options"]
 
 _DEST = "_router_flags"
 
 
-def _table(preset: str) -> dict[str, tuple[str, object, list[str], str]]:
+def _table(preset: Preset) -> dict[str, tuple[str, object, list[str], str]]:
     return {name: (typ, default, policies, help_) for name, typ, default, policies, help_ in router_parameters(preset)}
 
 
@@ -51,19 +54,20 @@ def _choices(typ: str) -> list[str] | None:
 
 
 def add_router_flags(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: Iterable[str], *, preset: str = "simulator", **overrides: str
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: Iterable[str], *, preset: Preset = "simulator", **overrides: str
 ) -> None:
     """Adds ``--name-with-dashes`` for each Router parameter in ``names`` (bools as ``--x/--no-x``),
-    typed, with the table's help and its default under ``preset``; ``overrides`` replace a flag's help.
+    typed, with the table's help and its default under ``preset``; ``overrides`` replace a flag's whole
+    help (say the default there when the caller's differs from the Router's).
     A flag that is not given leaves the parameter to the Router (``router_options`` omits it)."""
     table = _table(preset)
     for name in names:
         typ, default, policies, help_ = table[name]
-        text = overrides.get(name, help_)
         note = f"default {default}" if default is not None else "default: none"
         if policies:
             note += "; policy " + " or ".join(policies)
-        kw: dict[str, Any] = {"dest": f"{_DEST}.{name}", "default": None, "help": f"{text} ({note})"}
+        text = overrides.get(name, f"{help_} ({note})")
+        kw: dict[str, Any] = {"dest": f"{_DEST}.{name}", "default": None, "help": text}
         flag = "--" + name.replace("_", "-")
         if typ == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)

@@ -59,7 +59,8 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_router_flags(
         g,
         ["local_prefill_max_tokens"],
-        local_prefill_max_tokens="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine",
+        local_prefill_max_tokens="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine "
+        "(default 0: always disaggregate)",
     )
     r = p.add_argument_group(
         "routing", 'Router parameters (docs/router.md); defaults: the Router\'s "gateway" preset with --kv-events, else "gateway_approx"'
@@ -68,12 +69,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         r,
         ["policy", "ttft_slo", "tpot_slo", "reject", "pending_prefixes", "stale_overlaps", "token_share_bound", "block_size"],
         preset="gateway",
-        ttft_slo="TTFT SLO in seconds; requests predicted to miss it get 429",
-        pending_prefixes="count a routed request's prefix on its worker until its KV events can have arrived "
-        "(without KV events routed prefixes go into the index directly, --approx-ttl, and it is off)",
+        ttft_slo="TTFT SLO in seconds; requests predicted to miss it get 429 (default: none)",
+        pending_prefixes="count a routed request's prefix on its worker until its KV events can have arrived (default: on "
+        "with --kv-events; off without, as routed prefixes then go into the index directly, --approx-ttl)",
         stale_overlaps="correct a queued request's predicted prefill when its worker reports evicting blocks it was "
-        "routed as holding (off without KV events: there are no such reports)",
-        block_size="tokens per KV block: 16 with --kv-events, and it must equal the engines'; else 64",
+        "routed as holding (default: on with --kv-events; off without, as there are no such reports)",
+        block_size="tokens per KV block (default 16 with --kv-events, where it must equal the engines'; else 64)",
     )
     r.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json (or its directory, with tokenizer_config.json): exact token routing")
     r.add_argument(
