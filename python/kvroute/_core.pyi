@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -11,6 +11,8 @@ __version__: str
 NUM_SHARDS: int
 #: Whether this build carries the realistic engine model (the ``aisim`` cargo feature).
 HAS_AISIM: bool
+
+_T = TypeVar("_T")
 
 Tier = Literal["device", "host", "disk"]
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
@@ -54,6 +56,7 @@ class IndexStats(TypedDict):
     evictions: int
     max_nodes: int | None
 
+@final
 class MatchResult(Mapping[int, int]):
     """Read-only mapping worker -> leading blocks held, built lazily from Rust vectors."""
 
@@ -63,10 +66,15 @@ class MatchResult(Mapping[int, int]):
     def depths(self) -> npt.NDArray[np.uint32]: ...
     def best(self) -> tuple[int, int] | None: ...
     def to_dict(self) -> dict[int, int]: ...
-    def __getitem__(self, worker: int) -> int: ...
+    def __getitem__(self, worker: int, /) -> int: ...
+    @overload
+    def get(self, worker: int, default: None = None) -> int | None: ...
+    @overload
+    def get(self, worker: int, default: int | _T) -> int | _T: ...
     def __iter__(self) -> Iterator[int]: ...
     def __len__(self) -> int: ...
 
+@final
 class KvIndex:
     """Concurrent radix index over chained block hashes with per-worker membership.
 
@@ -75,7 +83,7 @@ class KvIndex:
     2
     """
 
-    def __init__(self, max_nodes: int | None = None) -> None: ...
+    def __new__(cls, max_nodes: int | None = None) -> KvIndex: ...
     def store(self, worker: int, hashes: Hashes, *, parent: int | None = None, tier: Tier = "device") -> int: ...
     def remove(self, worker: int, hashes: Hashes, *, tier: Tier | None = None) -> int: ...
     def clear(self, worker: int) -> int: ...
@@ -154,6 +162,7 @@ class WorkerLoad(TypedDict):
     learned_overhead_s: float | None
     learned_prefill_tokens_per_s: float | None
 
+@final
 class Decision:
     """The outcome of `Router.route`."""
 
@@ -189,6 +198,7 @@ class Decision:
     def explain(self) -> list[WorkerScore] | None: ...
     def to_dict(self) -> dict[str, object]: ...
 
+@final
 class Router:
     """Cache- and load-aware router over a KvIndex; see docs/router.md for each policy's rule.
 
@@ -328,11 +338,12 @@ def seed_chat_workload(
 ) -> dict[str, Any]: ...
 def chain_block_ids(ids: Hashes, offsets: Hashes, *, seed: int = 1337) -> npt.NDArray[np.uint64]: ...
 
+@final
 class PrefillEngines:
     """Simulated prefill engines: LRU prefix caches and FIFO queues publishing KV events."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         worker_ids: Sequence[int],
         *,
         capacity_blocks: int,
@@ -341,7 +352,7 @@ class PrefillEngines:
         index: KvIndex | None = None,
         event_lag: float = 0.0,
         shared_cache: bool = False,
-    ) -> None: ...
+    ) -> PrefillEngines: ...
     def __len__(self) -> int: ...
     @property
     def worker_ids(self) -> list[int]: ...
@@ -358,13 +369,14 @@ class PrefillEngines:
     def cached_blocks(self, engine: int) -> npt.NDArray[np.uint64]: ...
     def clear(self, engine: int, now: float) -> int: ...
 
+@final
 class DataPlane:
     """The gateway's request path: serves completions on ``router`` (unified workers and PD pairs in
     ``pd_convention``; exact mode with ``tokenizer``, else approximate mode), ``/v1/models``,
     ``/health`` and ``/metrics``, and passes ``/admin`` requests to the admin API given to ``start``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         router: Router,
         *,
         pd_convention: Literal["vllm", "sglang"] | str = "vllm",
@@ -376,14 +388,14 @@ class DataPlane:
         connect_timeout: float = 5.0,
         read_timeout: float = 600.0,
         client_timeout: float = 30.0,
-        approx_ttl: float | None = 120.0,
+        approx_ttl: float | None = ...,  # 120.0 seconds
         threads: int = 1,
         on_unhealthy: Callable[[int, str], None] | None = None,
         tokenizer: str | os.PathLike[str] | None = None,
         models: list[str] = ...,
         health_timeout: float = 2.0,
         ca_file: str | os.PathLike[str] | None = None,
-    ) -> None: ...
+    ) -> DataPlane: ...
     def start(self, host: str = "127.0.0.1", port: int = 0, *, admin_port: int | None = None) -> tuple[str, int]: ...
     def stop(self) -> None: ...
     @property
@@ -418,12 +430,13 @@ class DataPlane:
     def exact_tokens(self, body: bytes, chat: bool) -> npt.NDArray[np.uint32] | None: ...
     def render_chat(self, body: bytes) -> str | None: ...
 
+@final
 class ExactPrompter:
     """Exact mode's prompter, as the data plane runs it: a ``tokenizer.json`` (or its directory) and
     the chat template of the ``tokenizer_config.json`` beside it. Bodies are raw JSON bytes;
     ValueError carries the client's 400 message for an invalid body."""
 
-    def __init__(self, path: str | os.PathLike[str], block_size: int = 64, *, seed: int = 1337) -> None: ...
+    def __new__(cls, path: str | os.PathLike[str], block_size: int = 64, *, seed: int = 1337) -> ExactPrompter: ...
     def prompt(self, body: bytes, chat: bool) -> tuple[npt.NDArray[np.uint64], int, int | None, bool]:
         """(sequence hashes, num_tokens, output_tokens, exact); exact False: approximate hashes."""
     def token_ids(self, body: bytes, chat: bool) -> npt.NDArray[np.uint32] | None: ...
@@ -446,6 +459,6 @@ def aisim_replay(
     trace_path: str | None = None,
     trace_jsonl: str | None = None,
     speedup: float = 1.0,
-    trace_block_size: int = 512,
+    trace_block_size: int = ...,  # the Mooncake traces' 512-token blocks (rust/aisim TRACE_BLOCK_SIZE)
 ) -> str:
     """Builds with the ``aisim`` feature only: one replay on AISimulate's engines (see kvroute.sim.aisim)."""
