@@ -1,32 +1,53 @@
-# The few commands a newcomer needs. `make dev` once, then `make test`.
+# The few commands a newcomer needs: `make dev` once, then `make test` and `make lint`.
+# CI (.ci/run) is `make ci`: exactly these targets, in a fresh virtualenv.
 VENV ?= .venv
 # The real-engine bed (vLLM's CPU build + a tiny model), built by e2e/build_bed.sh; see docs/e2e.md.
 E2E_BED ?= $(abspath .e2e)
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CRATES := -p kvroute-core -p kvroute-gateway -p kvroute-aisim
 
-.PHONY: dev build test test-rust lint fmt bench bench-peers e2e
+.PHONY: dev build test test-rust test-python test-aisim lint fmt bench bench-peers e2e ci readme-test
 dev:
-	python3 -m venv $(VENV) && $(VENV)/bin/pip install -q maturin numpy pytest hypothesis pytest-benchmark
-	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release
+	python3 -m venv $(VENV) && $(PIP) install -q maturin ".[test,lint]"
+	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release --features aisim
 build:
-	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release
-test: test-rust
-	$(PY) -m pytest
+	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release --features aisim
+test: test-rust test-python test-aisim
 test-rust:
-	cargo test -p kvroute-core -p kvroute-aisim
+	cargo test -q $(CRATES)
+test-python:
+	$(PY) -m pytest
+# The realistic engine model: the wheel built with the aisim feature (docs/simulator.md); leaves it installed.
+test-aisim:
+	MATURIN_PEP517_ARGS="--features aisim" $(PIP) install -q . && KVROUTE_REQUIRE_AISIM=1 $(PY) -m pytest -q tests/sim/test_aisim.py
 lint:
 	cargo fmt --all --check
-	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -q --workspace --all-targets -- -D warnings
+	$(PY) -m ruff check python tests benches
+	$(PY) -m ruff format --check python tests benches
+	$(PY) -m mypy
+	# The stub against the binary (as pydantic-core does); allowlist: what stubtest cannot see in a compiled module.
+	$(PY) -m mypy.stubtest kvroute._core --allowlist .stubtest-allowlist
 fmt:
 	cargo fmt --all
+	$(PY) -m ruff format python tests benches
 bench:
 	$(PY) benches/compare_index.py
 	cargo bench -p kvroute-core
 bench-peers:
-	$(VENV)/bin/pip install -q "ai-dynamo-runtime==1.6.1"
+	$(PIP) install -q "ai-dynamo-runtime==1.6.1"
 e2e:
 	KVROUTE_E2E_BED=$(E2E_BED) e2e/build_bed.sh
 	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e
 	# The integrations' fake-engine tests need litellm and ray, which only the bed has; a process of their
 	# own, because LiteLLM keeps global state (callbacks, its logging worker) that the e2e LiteLLM tests leave behind.
-	$(E2E_BED)/venv/bin/python -m pytest tests/test_integration_litellm.py tests/test_integration_ray.py
+	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py
+# The README's test command, verbatim, in a fresh virtualenv (keep identical to the README's second set-up command).
+readme-test:
+	rm -rf $(VENV) && python3 -m venv $(VENV)
+	. $(VENV)/bin/activate && pip install ".[test]" && python -m pytest
+ci: test-rust readme-test test-aisim
+	$(PIP) install -q ".[lint]"
+	$(MAKE) lint
+	$(MAKE) e2e

@@ -21,7 +21,7 @@ import time
 import kvroute
 import msgspec
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests/support")
 from fake_engine import VllmBlockRemoved, VllmBlockStored, VllmEventBatch
 
 BLOCK_SIZE = 16

@@ -5,7 +5,7 @@ at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the
                                     [--baseline PYTHONPATH [--baseline-args "--data-plane rust"]]
 
 ``--exact`` runs kvroute in exact mode (``--tokenizer``: the byte-level BPE and ChatML template the
-tests build, tests/exact_tokenizers.py) and sends every other request as a chat request.
+tests build, tests/support/exact_tokenizers.py) and sends every other request as a chat request.
 
 ``--baseline DIR`` adds another build of kvroute as a target (``kvroute-baseline``; repeat it for more
 builds, ``kvroute-baseline2`` and on, each with its own ``--baseline-args``): ``DIR`` is put on
@@ -112,7 +112,7 @@ def as_chat(bodies: list[dict[str, object]]) -> list[dict[str, object]]:
 def build_tokenizer(root: str, prompt_tokens: int) -> str:
     """The tests' byte-level BPE tokenizer with the ChatML template (no downloads), its vocabulary
     (4,000) trained on text like the workload's so a prompt gets a realistic number of tokens."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
     from exact_tokenizers import CHATML, build_byte_level_bpe
 
     sample = [str(b["prompt"]) for b in workload(200, prompt_tokens, seed=1)]

@@ -46,7 +46,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from bench_real_engines import MAX_TOKENS, Conversation, Result, calibrate_prefill, counters, drive, reset, vocabulary, workload
 from kvroute.engines import DEFAULT_TOKEN_SHARE_BOUND
 from kvroute.sim.suite import default_policy

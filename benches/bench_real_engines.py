@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, Gateway, free_port, http_json, poll, stop_pid
 
 MAX_TOKENS = 16

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 import vllm_bed  # noqa: E402
 import zmq  # noqa: E402
 
@@ -144,7 +144,7 @@ def main() -> int:
     seqs = [s for s, _ in frames]
     gaps = sum(b - a_ - 1 for a_, b in itertools.pairwise(seqs))
     doc = {
-        "source": "vLLM 0.32 CPU engine (kvroute's real-engine bed, tests/vllm_bed.py), recorded by benches/record_vllm_events.py",
+        "source": "vLLM 0.32 CPU engine (kvroute's real-engine bed, tests/support/vllm_bed.py), recorded by benches/record_vllm_events.py",
         "block_size": vllm_bed.BLOCK_SIZE,
         "num_blocks": a.num_blocks,
         "requests": len(order),

@@ -56,7 +56,7 @@ if [ ! -f "$BED/venv/.integrations-$LITELLM_VERSION-$RAY_VERSION" ]; then
   touch "$BED/venv/.integrations-$LITELLM_VERSION-$RAY_VERSION"
 fi
 if [ ! -f "$BED/model/config.json" ]; then
-  "$BED/venv/bin/python" tests/vllm_bed.py model "$BED/model.tmp"
+  "$BED/venv/bin/python" tests/support/vllm_bed.py model "$BED/model.tmp"
   rm -rf "$BED/model" && mv "$BED/model.tmp" "$BED/model"
 fi
 # This checkout's kvroute with the realistic engine model (release build; cargo's target/ keeps it

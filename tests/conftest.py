@@ -1,11 +1,15 @@
-"""Shared fixtures: paths to the optional ../shared data (seeds, traces) next to the checkout."""
+"""Shared fixtures: paths to the optional ../shared data (seeds, traces) next to the checkout; and the
+tests' helpers (``tests/support``: fake engines, the real-engine bed, reference models) on the path."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # Ray Serve kills a proxy that is not ready within 5 s (then serve.start fails with ActorDiedError);
 # on a loaded 2-core CI host a proxy takes longer to start. Give Serve's own checks room (the tests'

@@ -213,7 +213,7 @@ class Router:
         *,
         preset: Preset = "simulator",
         index: KvIndex | None = None,
-        # The parameters, in router_parameters()' order; tests/test_stub.py holds them to it.
+        # The parameters, in router_parameters()' order; tests/router/test_config.py holds them to it.
         policy: Policy = "capacity",
         block_size: int = 64,
         tie_break: Literal["rotate", "lowest"] = "rotate",

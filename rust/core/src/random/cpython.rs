@@ -138,7 +138,7 @@ impl PyRandom {
 mod tests {
     use super::*;
 
-    // Values printed by CPython 3.11: random.Random(0).random(), ... (see tests/test_sim_workload.py
+    // Values printed by CPython 3.11: random.Random(0).random(), ... (see tests/sim/test_workload.py
     // for the exhaustive cross-check against the interpreter itself).
     #[test]
     fn matches_cpython_known_values() {

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 msgspec = pytest.importorskip("msgspec")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benches"))
-sys.path.insert(0, str(ROOT / "tests"))
 from compare_index import DEFAULT_EVENTS, Recording, replay_kvroute  # noqa: E402
 from fake_engine import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored, VllmEventBatch  # noqa: E402
 

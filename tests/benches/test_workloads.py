@@ -11,7 +11,7 @@ from pathlib import Path
 import kvroute
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from workload import churn_workload, interleaved_workload
 
 

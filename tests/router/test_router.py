@@ -20,7 +20,7 @@ def prompt(seed: int, n: int) -> np.ndarray:
 
 
 def make(policy: str, n: int = 2, **kw) -> Router:
-    """Overlap from the index alone unless asked (tests/test_router_pending.py covers pending prefixes)."""
+    """Overlap from the index alone unless asked (tests/router/test_pending.py covers pending prefixes)."""
     kw.setdefault("pending_prefixes", False)
     r = Router(policy=policy, **kw)
     for w in range(n):

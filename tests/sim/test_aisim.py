@@ -141,7 +141,10 @@ def test_the_committed_aiconfigurator_fit_drives_the_engines() -> None:
     """benches/aic_fit.py's output for Qwen3-32B on two H100s (vLLM) loads as a PolyFit and times
     the engines: slower prefill than AISimulate's built-in fit, so the same trace waits longer."""
     path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benches", "data", "aic_qwen3-32b_h100-sxm_tp2_vllm.json"
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "benches",
+        "data",
+        "aic_qwen3-32b_h100-sxm_tp2_vllm.json",
     )
     with open(path) as f:
         fit = PolyFit(**json.load(f))

@@ -3,8 +3,8 @@ caching and KV events; every process started here is stopped by its own PID (bou
 
 Importable (tests/e2e/, benchmarks, later integrations) and a small CLI:
 
-    python tests/vllm_bed.py model DIR           # builds the tiny model directory (deterministic)
-    python tests/vllm_bed.py up --engines 2      # starts engines, prints their URLs, stops them on Ctrl-C
+    python tests/support/vllm_bed.py model DIR           # builds the tiny model directory (deterministic)
+    python tests/support/vllm_bed.py up --engines 2      # starts engines, prints their URLs, stops them on Ctrl-C
 
 The bed lives in ``$KVROUTE_E2E_BED`` (default ``<checkout>/.e2e``), built by ``e2e/build_bed.sh``:
 ``venv/`` (vLLM's CPU build, kvroute, openai) and ``model/``. Only the standard library is needed to
@@ -49,7 +49,7 @@ __all__ = [
     "unavailable",
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
 VOCAB_SIZE = 4096

@@ -1,5 +1,5 @@
 """The Rust data plane on its own: its approximate prompts (which ``kvroute.prompt`` calls, for the
-integrations that share an index with it) hash as the Python reference (tests/prompt_reference.py) does, its 400s, its TTL cache, unparseable-exactly bodies routed
+integrations that share an index with it) hash as the Python reference (tests/support/prompt_reference.py) does, its 400s, its TTL cache, unparseable-exactly bodies routed
 approximately, workers added at runtime, start/stop and bad configuration."""
 
 from __future__ import annotations

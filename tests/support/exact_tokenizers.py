@@ -11,7 +11,7 @@ from typing import Any
 
 WORDS = ["the", "sky", "is", "blue", "why", "be", "brief", "once", "upon", "a", "time", "tool", "call", "weather", "in", "paris"]
 
-# The word-level tokenizer's template in tests/test_gateway_pd.py.
+# The word-level tokenizer's template in tests/gateway/test_pd.py.
 SIMPLE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

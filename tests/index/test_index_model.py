@@ -1,4 +1,4 @@
-"""Property test: KvIndex against the pure-Python reference model (tests/index_model.py)."""
+"""Property test: KvIndex against the pure-Python reference model (tests/support/index_model.py)."""
 
 from __future__ import annotations
 

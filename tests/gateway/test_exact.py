@@ -1,5 +1,5 @@
 """Exact mode in the Rust data plane: its token ids and block hashes equal the Python reference's
-(tests/prompt_reference.py: Hugging Face tokenizers and jinja2, as the engines render) for the same
+(tests/support/prompt_reference.py: Hugging Face tokenizers and jinja2, as the engines render) for the same
 bodies (tokenizers and chat templates built here), ``kvroute.prompt.ExactPrompter`` (what the
 integrations call) answers as the plane does, invalid bodies get its 400s, and a valid body it
 cannot render exactly routes on approximate hashes."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from bench_integrations import KvrouteSettings, check_policies, kvroute_policy, kvroute_share_bound
 
 
