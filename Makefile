@@ -1,8 +1,8 @@
 # The few commands a newcomer needs: `make dev` once, then `make test` and `make lint`.
 # CI (.ci/run) is `make ci`: exactly these targets, in a fresh virtualenv.
 VENV ?= .venv
-# The real-engine bed (vLLM's CPU build + a tiny model), built by e2e/build_bed.sh; see docs/e2e.md.
-E2E_BED ?= $(abspath .e2e)
+# The real-engine bed (vLLM's CPU build + a tiny model), built by tests/e2e/build_bed.sh; see docs/e2e.md.
+E2E_BED ?= $(abspath .bed)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CRATES := -p kvroute-core -p kvroute-gateway -p kvroute-aisim
@@ -38,7 +38,7 @@ bench:
 bench-peers:
 	$(PIP) install -q "ai-dynamo-runtime==1.6.1"
 e2e:
-	KVROUTE_E2E_BED=$(E2E_BED) e2e/build_bed.sh
+	KVROUTE_E2E_BED=$(E2E_BED) tests/e2e/build_bed.sh
 	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e
 	# The integrations' fake-engine tests need litellm and ray, which only the bed has; a process of their
 	# own, because LiteLLM keeps global state (callbacks, its logging worker) that the e2e LiteLLM tests leave behind.

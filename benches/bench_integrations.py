@@ -1,7 +1,7 @@
 """kvroute inside LiteLLM and Ray Serve against those hosts' own policies, on the same 2 real vLLM CPU
 engines (the bed, docs/e2e.md), with bench_real_engines.py's seeded multi-turn chat workload, streamed.
 
-    KVROUTE_E2E_BED=.e2e flock /work/e2e.lock .e2e/venv/bin/python benches/bench_integrations.py --json
+    KVROUTE_E2E_BED=.bed flock /work/e2e.lock .bed/venv/bin/python benches/bench_integrations.py --json
         [--integrations litellm,ray] [--num-blocks 192] [--conversations 64] [--turns 6] [--clients 6] [--prefill-tokens-per-s N] [--decode-model calibrate|off|STEP_S,TOKENS_PER_S]
 
 LiteLLM 1.110 (``litellm.Router`` in this process): kvroute's ``KvrouteStrategy`` (exact mode, KV

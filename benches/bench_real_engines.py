@@ -1,7 +1,7 @@
 """Routers in front of the same real vLLM CPU engines (the bed, docs/e2e.md), one multi-turn chat
 workload through the official ``openai`` client, streamed; the engines' own counters say what each router bought.
 
-    KVROUTE_E2E_BED=.e2e .e2e/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
+    KVROUTE_E2E_BED=.bed .bed/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
         [--conversations 64] [--turns 6] [--threads 6] [--seeds 0,1,2] [--routers kvroute,kvroute:cache_only,sglang]
         [--sglang-router PATH] [--vllm-router PATH] [--no-pd] [--prefill-tokens-per-s N]
 

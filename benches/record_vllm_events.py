@@ -7,7 +7,7 @@ Every frame its ZMQ publisher sends ([topic, seq, msgpack batch]) is kept; the b
 in order, to a gzipped JSON file (`benches/data/vllm_events.json.gz` by default).
 
 Run it in the bed's interpreter, under the e2e lock (it starts one ~3.8 GB engine):
-    flock /work/e2e.lock .e2e/venv/bin/python benches/record_vllm_events.py
+    flock /work/e2e.lock .bed/venv/bin/python benches/record_vllm_events.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ seeded multi-turn chats, in the order its clients send them, tokenized exactly a
 through 2 block-level LRU prefix caches of the engines' size, under fixed placements and kvroute's
 Router, with no engine and no timing.
 
-    .e2e/venv/bin/python benches/replay_hit_rate.py [--num-blocks 192] [--seeds 0,1,2] [--json]
+    .bed/venv/bin/python benches/replay_hit_rate.py [--num-blocks 192] [--seeds 0,1,2] [--json]
 
 Each engine is an LRU of ``num_blocks - 1`` blocks (vLLM keeps one null block) of 32 tokens; a request
 hits its leading cached full blocks (at most ``(tokens - 1) // 32``: vLLM always computes the last

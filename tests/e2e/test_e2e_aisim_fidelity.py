@@ -51,7 +51,7 @@ def workload(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 
 def test_engine_model_caches_what_vllm_caches(live_engines: list[Any]) -> None:
     if not HAS_AISIM:
-        pytest.fail("the bed's kvroute was built without the aisim feature (e2e/build_bed.sh builds it with it)")
+        pytest.fail("the bed's kvroute was built without the aisim feature (tests/e2e/build_bed.sh builds it with it)")
     eng = live_engines[0]
     eng.reset_prefix_cache()
     reqs = workload(40, seed=5)

@@ -6,7 +6,7 @@ Importable (tests/e2e/, benchmarks, later integrations) and a small CLI:
     python tests/support/vllm_bed.py model DIR           # builds the tiny model directory (deterministic)
     python tests/support/vllm_bed.py up --engines 2      # starts engines, prints their URLs, stops them on Ctrl-C
 
-The bed lives in ``$KVROUTE_E2E_BED`` (default ``<checkout>/.e2e``), built by ``e2e/build_bed.sh``:
+The bed lives in ``$KVROUTE_E2E_BED`` (default ``<checkout>/.bed``), built by ``tests/e2e/build_bed.sh``:
 ``venv/`` (vLLM's CPU build, kvroute, openai) and ``model/``. Only the standard library is needed to
 start engines; building the model needs ``tokenizers``.
 """
@@ -78,7 +78,7 @@ class BedError(RuntimeError):
 
 
 def bed_dir() -> Path:
-    return Path(os.environ.get("KVROUTE_E2E_BED") or ROOT / ".e2e").resolve()
+    return Path(os.environ.get("KVROUTE_E2E_BED") or ROOT / ".bed").resolve()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -573,11 +573,11 @@ class Bed:
     def missing(self) -> str | None:
         """Why this bed cannot run engines, or None when it can."""
         if not self.python.exists():
-            return f"no bed venv at {self.python.parent.parent} (build it with `make e2e` or e2e/build_bed.sh)"
+            return f"no bed venv at {self.python.parent.parent} (build it with `make e2e` or tests/e2e/build_bed.sh)"
         if not list((self.root / "venv").glob(".complete-*")):
-            return f"the bed venv at {self.root / 'venv'} is incomplete (rerun e2e/build_bed.sh)"
+            return f"the bed venv at {self.root / 'venv'} is incomplete (rerun tests/e2e/build_bed.sh)"
         if not (self.model / "config.json").exists():
-            return f"no model at {self.model} (rerun e2e/build_bed.sh)"
+            return f"no model at {self.model} (rerun tests/e2e/build_bed.sh)"
         return None
 
     def engine(self, name: str | None = None, **kw: Any) -> Engine:
@@ -626,7 +626,7 @@ def unavailable(bed: Bed | None = None) -> str | None:
         try:
             __import__(mod)
         except ImportError:
-            return f"the bed venv lacks {mod}: rerun e2e/build_bed.sh"
+            return f"the bed venv lacks {mod}: rerun tests/e2e/build_bed.sh"
     return None
 
 

