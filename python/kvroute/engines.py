@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute._core import NoWorkersError, Router, UnknownWorkerError
-from kvroute.gateway.metrics import parse_engine_metrics
+from kvroute.gateway.engine_metrics import parse_engine_metrics
 from kvroute.lease import Lease, LeaseTable
 from kvroute.prompt import ApproxCache, Prompter, load_prompter
 

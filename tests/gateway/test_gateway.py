@@ -22,7 +22,7 @@ from gateway_harness import (
     run,
 )
 from kvroute.gateway import GatewayConfig
-from kvroute.gateway.metrics import parse_engine_metrics
+from kvroute.gateway.engine_metrics import parse_engine_metrics
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1 KB shared prefix
 

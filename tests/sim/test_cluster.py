@@ -7,7 +7,7 @@ import math
 
 import pytest
 from kvroute.sim import ClusterConfig, records_to_workload, seed_chat, simulate, synthetic_trace
-from kvroute.sim.reference import SeedRouter
+from seed_router import SeedRouter
 
 
 def seed_factory(index, wl, cl, policy, reject, tie_break, seed, **_):  # type: ignore[no-untyped-def]

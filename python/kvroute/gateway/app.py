@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from kvroute._core import DataPlane, KvrouteError, Router, UnknownWorkerError
-from kvroute.gateway.metrics import parse_engine_metrics
+from kvroute.gateway.engine_metrics import parse_engine_metrics
 
 __all__ = ["Gateway", "GatewayConfig", "WorkerConfig", "make_gateway", "run", "serve"]
 

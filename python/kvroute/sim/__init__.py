@@ -3,7 +3,7 @@ simulated prefill engines publishing KV events, the Router driving them, and the
 """
 
 from kvroute.sim.cluster import SEED_CLUSTER, ClusterConfig, make_router, simulate
-from kvroute.sim.metrics import RunResult, summarize
+from kvroute.sim.summary import RunResult, summarize
 from kvroute.sim.trace import SHAPES, load_trace, records_to_workload, synthetic_trace, write_trace
 from kvroute.sim.workload import Workload, seed_chat
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from kvroute import KvIndex, _core
-from kvroute.sim.metrics import RunResult, summarize
 from kvroute.sim.progress import Progress
+from kvroute.sim.summary import RunResult, summarize
 from kvroute.sim.workload import Workload
 
 if TYPE_CHECKING:
@@ -194,67 +194,127 @@ def simulate(
     ``router_options`` go to the factory (for `make_router`: extra `kvroute.Router` settings).
     """
     if cluster.prefill_batch_tokens > 0:
-        return _simulate_batched(workload, policy, reject, cluster, tie_break, seed, router_factory, scenario, router_options or {})
-    if cluster.decode_instances > 0:
-        return _simulate_pd(
-            workload, policy, reject, cluster, tie_break, seed, router_factory, progress, scenario, router_options or {}, python_random
-        )
+        model: type[_EngineModel] = _BatchedPrefill
+    elif cluster.decode_instances > 0:
+        model = _Disaggregated
+    else:
+        model = _FifoPrefill
     index = KvIndex()
     router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **(router_options or {}))
-    engines = _prefill_pool(cluster, workload, index, cluster.instances)
-    arrival = workload.arrival.tolist()
-    num_tokens = workload.num_tokens.tolist()
-    offsets = workload.hash_offsets.tolist()
-    # Only full blocks are cached and indexed (a trace's id for a partial last block is dropped).
-    ends = [min(offsets[i + 1], offsets[i] + nt // workload.block_size) for i, nt in enumerate(num_tokens)]
-    hashes = workload.hashes
-    out_tokens = workload.output_tokens.tolist()
-    n = len(arrival)
+    run = _Run(workload, cluster, router, _prefill_pool(cluster, workload, index, cluster.instances))
+    engine = model(run, index)
+    n = len(run.arrival)
     bar = Progress(n, f"{workload.name} {policy}{' +reject' if reject else ''}", enabled=progress)
-    route, prefill, finished = router.route, engines.prefill, router.finished
-    draw = random.Random(seed).randrange if policy == "random" and python_random else None
-    nw = cluster.instances
-    lagged = cluster.event_lag > 0
-    running: list[tuple[float, int]] = []
-    ttfts: list[float] = []
-    rejected = hit_tokens = total_tokens = 0
-    misses_by_reason: dict[str, int] = {}
+    # The seed's "random" draws, handed to the Router as a pin (the batched model keeps the Router's own).
+    pin = policy == "random" and python_random and engine.pins_random_draws
+    draw = random.Random(seed).randrange if pin else None
+    route = router.route
     for i in range(n):
-        t = arrival[i]
-        while running and running[0][0] <= t:
-            done_at, rid = heapq.heappop(running)
-            finished(rid, now=done_at)
-        if lagged:
-            engines.advance(t)
-        hs = hashes[offsets[i] : ends[i]]
-        nt = num_tokens[i]
+        t = run.arrival[i]
+        engine.run_until(t)
+        hs = run.hashes_of(i)
+        nt = run.num_tokens[i]
+        out = run.out_tokens[i] or None
         if draw is None:
-            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i] or None)
+            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out)
         else:
-            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i] or None, worker=draw(nw))
+            d = route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out, worker=draw(cluster.instances))
         if not d.admitted:
-            rejected += 1
-            misses_by_reason[d.reason] = misses_by_reason.get(d.reason, 0) + 1
+            run.rejected += 1
+            run.misses_by_reason[d.reason] = run.misses_by_reason.get(d.reason, 0) + 1
             continue
-        _, hit, _, finish = prefill(d.worker, hs, nt, t)
-        ttfts.append(finish - t)
-        hit_tokens += hit
-        total_tokens += nt
-        heapq.heappush(running, (finish, i))
+        engine.admit(i, d, t, hs)
         if i & 1023 == 0:
             bar.update(i)
+    engine.run_until(math.inf)
     bar.close()
     result = summarize(
-        ttfts,
+        run.ttfts,
         requests=n,
-        rejected=rejected,
-        hit_tokens=hit_tokens,
-        total_tokens=total_tokens,
+        rejected=run.rejected,
+        hit_tokens=run.hit_tokens,
+        total_tokens=run.total_tokens,
         slo=cluster.slo,
+        good=engine.good(),
         **_run_labels(workload, scenario, policy, reject, tie_break),
     )
-    result.extra.update(rejected_by=misses_by_reason, events_published=engines.events_published)
+    result.extra.update(rejected_by=run.misses_by_reason, events_published=run.engines.events_published, **engine.extra())
     return result
+
+
+class _Run:
+    """One replay's shared state: the workload as lists, the router, the prefill pool, and the tally
+    every engine model keeps alike (TTFTs of admitted requests, rejections, hit tokens)."""
+
+    def __init__(self, workload: Workload, cluster: ClusterConfig, router: Any, engines: _core.PrefillEngines) -> None:
+        self.cluster, self.router, self.engines = cluster, router, engines
+        self.bs = workload.block_size
+        self.arrival: list[float] = workload.arrival.tolist()
+        self.num_tokens: list[int] = workload.num_tokens.tolist()
+        self.out_tokens: list[int] = workload.output_tokens.tolist()
+        self.offsets: list[int] = workload.hash_offsets.tolist()
+        # Only full blocks are cached and indexed (a trace's id for a partial last block is dropped).
+        self.ends = [min(self.offsets[i + 1], self.offsets[i] + nt // self.bs) for i, nt in enumerate(self.num_tokens)]
+        self.hashes = workload.hashes
+        self.ttfts: list[float] = []
+        self.rejected = self.hit_tokens = self.total_tokens = 0
+        self.misses_by_reason: dict[str, int] = {}
+
+    def hashes_of(self, i: int) -> Any:
+        return self.hashes[self.offsets[i] : self.ends[i]]
+
+    def prefill(self, worker: int, i: int, t: float) -> tuple[int, float]:
+        """Request ``i``'s prefill on ``worker`` from ``t`` (true cache state): (hit tokens, finish), tallied."""
+        _, hit, _, finish = self.engines.prefill(worker, self.hashes_of(i), self.num_tokens[i], t)
+        self.hit_tokens += hit
+        self.total_tokens += self.num_tokens[i]
+        return hit, finish
+
+
+class _EngineModel:
+    """What happens to a routed request: ``admit`` it, ``run_until`` a time (its completions reported
+    to the router, the engines' KV events published), then the model's own figures."""
+
+    #: Whether the seed's "random" draws are handed to the Router as pins in this model.
+    pins_random_draws = True
+
+    def __init__(self, run: _Run, index: KvIndex) -> None:
+        self.run = run
+
+    def run_until(self, t: float) -> None:
+        raise NotImplementedError
+
+    def admit(self, i: int, d: Any, t: float, hs: Any) -> None:
+        raise NotImplementedError
+
+    def good(self) -> int | None:
+        """Requests that met every SLO, when the model judges more than TTFT (else None)."""
+        return None
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+
+class _FifoPrefill(_EngineModel):
+    """The seed's model: each routed request's uncached part queues FIFO on its prefill instance;
+    TTFT is the prefill's finish time minus the arrival."""
+
+    def __init__(self, run: _Run, index: KvIndex) -> None:
+        super().__init__(run, index)
+        self.running: list[tuple[float, int]] = []
+
+    def run_until(self, t: float) -> None:
+        run = self.run
+        while self.running and self.running[0][0] <= t:
+            done_at, rid = heapq.heappop(self.running)
+            run.router.finished(rid, now=done_at)
+        if run.cluster.event_lag > 0 and t != math.inf:
+            run.engines.advance(t)
+
+    def admit(self, i: int, d: Any, t: float, hs: Any) -> None:
+        _, finish = self.run.prefill(d.worker, i, t)
+        self.run.ttfts.append(finish - t)
+        heapq.heappush(self.running, (finish, i))
 
 
 def _run_labels(workload: Workload, scenario: str | None, policy: str, reject: bool, tie_break: str) -> dict[str, Any]:
@@ -296,247 +356,166 @@ class _DecodeWorker:
         return start
 
 
-def _simulate_pd(
-    workload: Workload,
-    policy: str,
-    reject: bool,
-    cluster: ClusterConfig,
-    tie_break: str,
-    seed: int,
-    router_factory: RouterFactory,
-    progress: bool | None,
-    scenario: str | None,
-    router_options: dict[str, Any],
-    python_random: bool,
-) -> RunResult:
-    """PD mode: prefill on the prefill pool (as `simulate`), then the KV moves to the decode worker
+class _Disaggregated(_EngineModel):
+    """PD mode: prefill on the prefill pool (as the FIFO model), then the KV moves to the decode worker
     the Router chose, waits for KV room there, and decodes ``output_tokens`` tokens at the TPOT of
     the batch it joins. TTFT = decode start - arrival; a request is good when TTFT <= slo and
     (with a TPOT SLO) its TPOT <= tpot_slo. Events run in time order, so decode state is causal."""
-    index = KvIndex()
-    router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **router_options)
-    p_n = cluster.instances
-    engines = _prefill_pool(cluster, workload, index, p_n)
-    decoders = [_DecodeWorker() for _ in range(cluster.decode_instances)]
-    # Incremental transfer: the decode instances' prefix caches (queues unused), in the same index.
-    decode_caches = (
-        _core.PrefillEngines(
-            list(range(p_n, p_n + cluster.decode_instances)),
-            capacity_blocks=cluster.decode_kv_blocks,
-            tokens_per_s=float(cluster.speed),
-            block_size=workload.block_size,
-            index=index,
-            event_lag=float(cluster.event_lag),
-        )
-        if cluster.incremental_transfer
-        else None
-    )
-    transferred_tokens = 0
-    max_batch = cluster.max_decode_batch()
-    bs = workload.block_size
-    arrival = workload.arrival.tolist()
-    num_tokens = workload.num_tokens.tolist()
-    out_tokens = workload.output_tokens.tolist()
-    offsets = workload.hash_offsets.tolist()
-    ends = [min(offsets[i + 1], offsets[i] + nt // bs) for i, nt in enumerate(num_tokens)]
-    hashes = workload.hashes
-    n = len(arrival)
-    bar = Progress(n, f"{workload.name} {policy}{' +reject' if reject else ''}", enabled=progress)
-    # (time, kind, request): kind 0 = prefill done, 1 = KV arrives at the decode worker, 2 = finished
-    events: list[tuple[float, int, int]] = []
-    decode_of: dict[int, int] = {}
-    ttfts: list[float] = []
-    good = rejected = hit_tokens = total_tokens = no_room = 0
-    tpots: list[float] = []
-    misses_by_reason: dict[str, int] = {}
-    draw = random.Random(seed).randrange if policy == "random" and python_random else None
 
-    def run_events(until: float) -> None:
-        nonlocal good, no_room, transferred_tokens
-        while events and events[0][0] <= until:
-            t, kind, rid = heapq.heappop(events)
+    def __init__(self, run: _Run, index: KvIndex) -> None:
+        super().__init__(run, index)
+        cluster = run.cluster
+        p_n = cluster.instances
+        self.decoders = [_DecodeWorker() for _ in range(cluster.decode_instances)]
+        # Incremental transfer: the decode instances' prefix caches (queues unused), in the same index.
+        self.decode_caches = (
+            _core.PrefillEngines(
+                list(range(p_n, p_n + cluster.decode_instances)),
+                capacity_blocks=cluster.decode_kv_blocks,
+                tokens_per_s=float(cluster.speed),
+                block_size=run.bs,
+                index=index,
+                event_lag=float(cluster.event_lag),
+            )
+            if cluster.incremental_transfer
+            else None
+        )
+        self.max_batch = cluster.max_decode_batch()
+        # (time, kind, request): kind 0 = prefill done, 1 = KV arrives at the decode worker, 2 = finished
+        self.events: list[tuple[float, int, int]] = []
+        self.decode_of: dict[int, int] = {}
+        self.tpots: list[float] = []
+        self.good_count = self.no_room = self.transferred_tokens = 0
+
+    def run_until(self, t: float) -> None:
+        run, cluster, events = self.run, self.run.cluster, self.events
+        while events and events[0][0] <= t:
+            at, kind, rid = heapq.heappop(events)
             if kind == 0:
-                router.prefill_done(rid, now=t)
-                moved = num_tokens[rid]
-                if decode_caches is not None:
+                run.router.prefill_done(rid, now=at)
+                moved = run.num_tokens[rid]
+                if self.decode_caches is not None:
                     # The decode side already holds `hit` tokens of the prompt; it now caches all of it.
-                    _, hit, _, _ = decode_caches.prefill(decode_of[rid], hashes[offsets[rid] : ends[rid]], num_tokens[rid], t)
+                    _, hit, _, _ = self.decode_caches.prefill(self.decode_of[rid], run.hashes_of(rid), run.num_tokens[rid], at)
                     moved -= hit
-                transferred_tokens += moved
-                heapq.heappush(events, (t + cluster.transfer_time(moved), 1, rid))
+                self.transferred_tokens += moved
+                heapq.heappush(events, (at + cluster.transfer_time(moved), 1, rid))
             elif kind == 1:
-                need = -(-(num_tokens[rid] + out_tokens[rid]) // bs)
+                need = -(-(run.num_tokens[rid] + run.out_tokens[rid]) // run.bs)
                 if need > cluster.decode_kv_blocks:
                     # Can never fit: it fails (the Router with rejection turns these away up front).
-                    no_room += 1
-                    ttfts.append(math.inf)
-                    heapq.heappush(events, (t, 2, rid))
+                    self.no_room += 1
+                    run.ttfts.append(math.inf)
+                    heapq.heappush(events, (at, 2, rid))
                     continue
-                dw = decoders[decode_of[rid]]
-                start = dw.join(t, need, cluster.decode_kv_blocks, max_batch)
+                dw = self.decoders[self.decode_of[rid]]
+                start = dw.join(at, need, cluster.decode_kv_blocks, self.max_batch)
                 tpot = cluster.decode_step_s + (len(dw.running) + 1) / cluster.decode_tokens_per_s
-                finish = start + out_tokens[rid] * tpot
+                finish = start + run.out_tokens[rid] * tpot
                 heapq.heappush(dw.running, (finish, need))
                 dw.used += need
-                ttft = start - arrival[rid]
-                ttfts.append(ttft)
-                tpots.append(tpot)
+                ttft = start - run.arrival[rid]
+                run.ttfts.append(ttft)
+                self.tpots.append(tpot)
                 if ttft <= cluster.slo and (cluster.tpot_slo is None or tpot <= cluster.tpot_slo):
-                    good += 1
+                    self.good_count += 1
                 heapq.heappush(events, (finish, 2, rid))
             else:
-                router.finished(rid, now=t)
+                run.router.finished(rid, now=at)
+        if t != math.inf:
+            run.engines.advance(t)
+            if self.decode_caches is not None:
+                self.decode_caches.advance(t)
 
-    for i in range(n):
-        t = arrival[i]
-        run_events(t)
-        engines.advance(t)
-        if decode_caches is not None:
-            decode_caches.advance(t)
-        hs = hashes[offsets[i] : ends[i]]
-        nt = num_tokens[i]
-        pin = {"worker": draw(p_n)} if draw is not None else {}
-        d = router.route(hashes=hs, num_tokens=nt, now=t, request_id=i, output_tokens=out_tokens[i], **pin)
-        if not d.admitted:
-            rejected += 1
-            misses_by_reason[d.reason] = misses_by_reason.get(d.reason, 0) + 1
-            continue
+    def admit(self, i: int, d: Any, t: float, hs: Any) -> None:
+        p_n = self.run.cluster.instances
         if d.worker >= p_n or d.decode_worker is None:
             raise RuntimeError(
                 f"the router sent request {i} to worker {d.worker} (path {d.path!r}); the PD simulator models disaggregated prefill only"
             )
-        _, hit, _, finish = engines.prefill(d.worker, hs, nt, t)
-        decode_of[i] = d.decode_worker - p_n
-        hit_tokens += hit
-        total_tokens += nt
-        heapq.heappush(events, (finish, 0, i))
-        if i & 1023 == 0:
-            bar.update(i)
-    run_events(math.inf)
-    bar.close()
-    result = summarize(
-        ttfts,
-        requests=n,
-        rejected=rejected,
-        hit_tokens=hit_tokens,
-        total_tokens=total_tokens,
-        slo=cluster.slo,
-        good=good,
-        **_run_labels(workload, scenario, policy, reject, tie_break),
-    )
-    tpots.sort()
-    result.extra.update(
-        rejected_by=misses_by_reason,
-        events_published=engines.events_published,
-        decode_instances=cluster.decode_instances,
-        tpot_p50=tpots[len(tpots) // 2] if tpots else math.nan,
-        tpot_p99=tpots[int(len(tpots) * 0.99)] if tpots else math.nan,
-        never_fit=no_room,
-        transferred_tokens=transferred_tokens,
-    )
-    return result
+        _, finish = self.run.prefill(d.worker, i, t)
+        self.decode_of[i] = d.decode_worker - p_n
+        heapq.heappush(self.events, (finish, 0, i))
+
+    def good(self) -> int | None:
+        return self.good_count
+
+    def extra(self) -> dict[str, Any]:
+        tpots = sorted(self.tpots)
+        return {
+            "decode_instances": self.run.cluster.decode_instances,
+            "tpot_p50": tpots[len(tpots) // 2] if tpots else math.nan,
+            "tpot_p99": tpots[int(len(tpots) * 0.99)] if tpots else math.nan,
+            "never_fit": self.no_room,
+            "transferred_tokens": self.transferred_tokens,
+        }
 
 
-def _simulate_batched(
-    workload: Workload,
-    policy: str,
-    reject: bool,
-    cluster: ClusterConfig,
-    tie_break: str,
-    seed: int,
-    router_factory: RouterFactory,
-    scenario: str | None,
-    router_options: dict[str, Any],
-) -> RunResult:
+class _BatchedPrefill(_EngineModel):
     """Unified mode with the seed 003 chapter's prefill batching (`ClusterConfig.prefill_batch_tokens`).
 
     Events run in time order: a routed request joins its instance's pending list; an idle
     instance closes a batch ``prefill_batch_wait_s`` after the first request arrives, a busy one
     when its current batch ends. A batch takes pending requests shortest prompt first while their
     prompt tokens fit the budget (at least one), reads and fills the cache at its start (KV events
-    as in `simulate`), and runs for its uncached tokens / speed; its requests' TTFT is its end
+    as in the FIFO model), and runs for its uncached tokens / speed; its requests' TTFT is its end
     minus their arrival. The Router is told `finished` at that end."""
-    index = KvIndex()
-    router = router_factory(index, workload, cluster, policy, reject, tie_break, seed, **router_options)
-    n_e = cluster.instances
-    engines = _prefill_pool(cluster, workload, index, n_e)
-    bs = workload.block_size
-    arrival = workload.arrival.tolist()
-    num_tokens = workload.num_tokens.tolist()
-    out_tokens = workload.output_tokens.tolist()
-    offsets = workload.hash_offsets.tolist()
-    ends = [min(offsets[i + 1], offsets[i] + nt // bs) for i, nt in enumerate(num_tokens)]
-    hashes = workload.hashes
-    budget, wait = cluster.prefill_batch_tokens, cluster.prefill_batch_wait_s
-    pending: list[list[int]] = [[] for _ in range(n_e)]
-    busy_until = [0.0] * n_e
-    scheduled = [False] * n_e
-    # (time, kind, x): kind 0 = instance x closes a batch, 1 = request x finished.
-    events: list[tuple[float, int, int]] = []
-    ttfts: list[float] = []
-    rejected = hit_tokens = total_tokens = batches = 0
-    misses_by_reason: dict[str, int] = {}
 
-    def run_batch(e: int, t: float) -> None:
-        nonlocal hit_tokens, total_tokens, batches
-        queue = sorted(pending[e], key=lambda r: (num_tokens[r], r))
+    pins_random_draws = False
+
+    def __init__(self, run: _Run, index: KvIndex) -> None:
+        super().__init__(run, index)
+        n_e = run.cluster.instances
+        self.pending: list[list[int]] = [[] for _ in range(n_e)]
+        self.busy_until = [0.0] * n_e
+        self.scheduled = [False] * n_e
+        # (time, kind, x): kind 0 = instance x closes a batch, 1 = request x finished.
+        self.events: list[tuple[float, int, int]] = []
+        self.batches = 0
+
+    def _run_batch(self, e: int, t: float) -> None:
+        run = self.run
+        queue = sorted(self.pending[e], key=lambda r: (run.num_tokens[r], r))
         batch: list[int] = []
         used = 0
         for r in queue:
-            if not batch or used + num_tokens[r] <= budget:
+            if not batch or used + run.num_tokens[r] <= run.cluster.prefill_batch_tokens:
                 batch.append(r)
-                used += num_tokens[r]
+                used += run.num_tokens[r]
         taken = set(batch)
-        pending[e] = [r for r in pending[e] if r not in taken]
+        self.pending[e] = [r for r in self.pending[e] if r not in taken]
         work = 0
         for r in batch:
-            _, hit, _, _ = engines.prefill(e, hashes[offsets[r] : ends[r]], num_tokens[r], t)
-            hit_tokens += hit
-            total_tokens += num_tokens[r]
-            work += num_tokens[r] - hit
-        end = t + work / cluster.speed
-        batches += 1
-        busy_until[e] = end
+            hit, _ = run.prefill(e, r, t)
+            work += run.num_tokens[r] - hit
+        end = t + work / run.cluster.speed
+        self.batches += 1
+        self.busy_until[e] = end
         for r in batch:
-            ttfts.append(end - arrival[r])
-            heapq.heappush(events, (end, 1, r))
-        if pending[e]:
-            heapq.heappush(events, (end, 0, e))
+            run.ttfts.append(end - run.arrival[r])
+            heapq.heappush(self.events, (end, 1, r))
+        if self.pending[e]:
+            heapq.heappush(self.events, (end, 0, e))
         else:
-            scheduled[e] = False
+            self.scheduled[e] = False
 
-    def run_events(until: float) -> None:
-        while events and events[0][0] <= until:
-            t, kind, x = heapq.heappop(events)
+    def run_until(self, t: float) -> None:
+        events = self.events
+        while events and events[0][0] <= t:
+            at, kind, x = heapq.heappop(events)
             if kind == 0:
-                run_batch(x, t)
+                self._run_batch(x, at)
             else:
-                router.finished(x, now=t)
+                self.run.router.finished(x, now=at)
+        if t != math.inf:
+            self.run.engines.advance(t)
 
-    for i in range(len(arrival)):
-        t = arrival[i]
-        run_events(t)
-        engines.advance(t)
-        hs = hashes[offsets[i] : ends[i]]
-        d = router.route(hashes=hs, num_tokens=num_tokens[i], now=t, request_id=i, output_tokens=out_tokens[i] or None)
-        if not d.admitted:
-            rejected += 1
-            misses_by_reason[d.reason] = misses_by_reason.get(d.reason, 0) + 1
-            continue
+    def admit(self, i: int, d: Any, t: float, hs: Any) -> None:
         e = d.worker
-        pending[e].append(i)
-        if not scheduled[e]:
-            scheduled[e] = True
-            heapq.heappush(events, (max(t + wait, busy_until[e]), 0, e))
-    run_events(math.inf)
-    result = summarize(
-        ttfts,
-        requests=len(arrival),
-        rejected=rejected,
-        hit_tokens=hit_tokens,
-        total_tokens=total_tokens,
-        slo=cluster.slo,
-        **_run_labels(workload, scenario, policy, reject, tie_break),
-    )
-    result.extra.update(rejected_by=misses_by_reason, events_published=engines.events_published, prefill_batches=batches)
-    return result
+        self.pending[e].append(i)
+        if not self.scheduled[e]:
+            self.scheduled[e] = True
+            heapq.heappush(self.events, (max(t + self.run.cluster.prefill_batch_wait_s, self.busy_until[e]), 0, e))
+
+    def extra(self) -> dict[str, Any]:
+        return {"prefill_batches": self.batches}

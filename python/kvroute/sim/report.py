@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvroute.sim.metrics import RunResult
+from kvroute.sim.summary import RunResult
 
 __all__ = ["format_table", "max_sustained_rate", "plot_runs"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.sim.cluster import SEED_CLUSTER, ClusterConfig, simulate
-from kvroute.sim.metrics import RunResult
+from kvroute.sim.summary import RunResult
 from kvroute.sim.trace import MOONCAKE_TRACE, find_shared_dir, load_trace, records_to_workload, synthetic_trace
 from kvroute.sim.workload import Workload, seed_chat
 

@@ -20,7 +20,7 @@ use kvroute_core::{Router, RouterError, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineModel;
-use crate::metrics::{RequestRecord, Slo, Summary};
+use crate::summary::{RequestRecord, Slo, Summary};
 use crate::placement::{KvEventObservation, KvroutePlacement, Routed, Shared, DECODE_BASE};
 
 /// Tokens per `hash_ids` entry in Mooncake-format traces.
