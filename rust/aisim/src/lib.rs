@@ -3,10 +3,10 @@
 //! kvroute's Router as the placement policy, fed by the engines' KV events through its `KvIndex`.
 
 pub mod engine;
-pub mod summary;
 pub mod placement;
 pub mod run;
+pub mod summary;
 
 pub use engine::{EngineModel, PolyFit, Timing, BUILTIN};
-pub use summary::{RequestRecord, Slo, Summary};
 pub use run::{load_trace, run, trace_from_rows, trace_from_rows_in_blocks, Placer, RunResult, RunSpec, Topology, TRACE_BLOCK_SIZE};
+pub use summary::{RequestRecord, Slo, Summary};

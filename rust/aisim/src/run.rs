@@ -20,8 +20,8 @@ use kvroute_core::{Router, RouterError, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineModel;
-use crate::summary::{RequestRecord, Slo, Summary};
 use crate::placement::{KvEventObservation, KvroutePlacement, Routed, Shared, DECODE_BASE};
+use crate::summary::{RequestRecord, Slo, Summary};
 
 /// Tokens per `hash_ids` entry in Mooncake-format traces.
 pub const TRACE_BLOCK_SIZE: usize = 512;

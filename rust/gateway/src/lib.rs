@@ -1,5 +1,5 @@
 //! kvroute's data plane: the gateway's one request path. An HTTP/1.1 server (hyper on tokio) that
-//! serves completions on the core `Router`, unified or PD (`plane::pd`, src/pd.rs), in approximate or
+//! serves completions on the core `Router`, unified or PD (`plane::pd`, src/plane/pd.rs), in approximate or
 //! exact mode (src/exact.rs: the engines' tokenizer and chat template), relays to `http://` and
 //! `https://` engines (rustls), and answers `/v1/models`, `/health` and `/metrics` itself.
 //!
