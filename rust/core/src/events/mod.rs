@@ -38,15 +38,13 @@ mod msgpack;
 mod tests;
 
 use std::cell::RefCell;
-use std::sync::Arc;
 
 use hashbrown::hash_map::Entry;
-use hashbrown::HashMap;
-use parking_lot::{Mutex, RwLock};
 
 pub use decode::{decode_batch, medium_tier, DecodedBatch, DecodedEvent};
 
 use crate::hash::{chain_hash, extend_sequence_hashes};
+use crate::index::aliases::{Alias, WorkerAliases};
 use crate::index::{KvIndex, Tier, WorkerId};
 
 /// Mixed into an unknown parent's engine hash to make the orphan anchor (see the module docs).
@@ -102,63 +100,6 @@ pub struct ApplyStats {
     pub orphan_blocks: usize,
     /// Removed engine hashes this worker's map did not hold on that tier.
     pub unknown_removals: usize,
-}
-
-#[derive(Clone, Copy)]
-struct Mapped {
-    seq: u64,
-    tiers: u8,
-}
-
-/// One worker's engine hash -> sequence hash map, with per-tier reference counts of sequence hashes.
-#[derive(Default)]
-struct WorkerMap {
-    blocks: HashMap<u64, Mapped>,
-    held: HashMap<u64, [u32; 3]>,
-}
-
-impl WorkerMap {
-    /// Drops `tier` of engine entry `e`; returns true when the sequence hash's last holder on
-    /// that tier went (so the index entry must go too).
-    fn release(held: &mut HashMap<u64, [u32; 3]>, seq: u64, tier: usize) -> bool {
-        let Entry::Occupied(mut c) = held.entry(seq) else { return false };
-        let counts = c.get_mut();
-        counts[tier] = counts[tier].saturating_sub(1);
-        let gone = counts[tier] == 0;
-        if counts.iter().all(|&n| n == 0) {
-            c.remove();
-        }
-        gone
-    }
-}
-
-/// Per-worker engine maps, owned by the `KvIndex` so `clear`/`remove_worker` drop them too.
-#[derive(Default)]
-pub struct EngineMaps {
-    workers: RwLock<HashMap<WorkerId, Arc<Mutex<WorkerMap>>>>,
-}
-
-impl EngineMaps {
-    fn get(&self, worker: WorkerId) -> Arc<Mutex<WorkerMap>> {
-        if let Some(m) = self.workers.read().get(&worker) {
-            return m.clone();
-        }
-        self.workers.write().entry(worker).or_default().clone()
-    }
-
-    /// Forgets `worker`'s map (its cache is gone).
-    pub(crate) fn forget(&self, worker: WorkerId) {
-        self.workers.write().remove(&worker);
-    }
-
-    /// Engine block hashes mapped for `worker`.
-    pub fn len(&self, worker: WorkerId) -> usize {
-        self.workers.read().get(&worker).map_or(0, |m| m.lock().blocks.len())
-    }
-
-    pub fn is_empty(&self, worker: WorkerId) -> bool {
-        self.len(worker) == 0
-    }
 }
 
 /// Reusable buffers for `KvIndex::apply_event_batch_with`.
@@ -243,9 +184,9 @@ impl KvIndex {
         }
         let w = worker.checked_add(batch.dp_rank as u64).ok_or(EventError::WorkerOverflow { worker, rank: batch.dp_rank })?;
         let mut st = ApplyStats { worker: w, ..Default::default() };
-        let map = self.engine_maps.get(w);
+        let map = self.aliases.get(w);
         let mut map = map.lock();
-        let WorkerMap { blocks, held } = &mut *map;
+        let WorkerAliases { blocks, held } = &mut *map;
         for ev in &batch.events {
             match ev {
                 DecodedEvent::Skipped => st.skipped += 1,
@@ -273,7 +214,7 @@ impl KvIndex {
                         if m.tiers == 0 {
                             e.remove();
                         }
-                        if WorkerMap::release(held, seq, t) {
+                        if WorkerAliases::release(held, seq, t) {
                             removals.push(seq);
                         }
                     }
@@ -296,13 +237,13 @@ impl KvIndex {
                     removals.clear();
                     let t = *tier as usize;
                     for (&h, &seq) in batch.hashes[hashes.clone()].iter().zip(seqs.iter()) {
-                        let m = blocks.entry(h).or_insert(Mapped { seq, tiers: 0 });
+                        let m = blocks.entry(h).or_insert(Alias { seq, tiers: 0 });
                         if m.seq != seq {
                             // The engine reused a hash for other content: its old blocks are gone.
                             let (old, old_tiers) = (m.seq, m.tiers);
-                            *m = Mapped { seq, tiers: 0 };
+                            *m = Alias { seq, tiers: 0 };
                             for tt in Tier::ALL {
-                                if old_tiers & tt.bit() != 0 && WorkerMap::release(held, old, tt as usize) {
+                                if old_tiers & tt.bit() != 0 && WorkerAliases::release(held, old, tt as usize) {
                                     self.remove(w, &[old], tt.bit());
                                 }
                             }
@@ -323,6 +264,6 @@ impl KvIndex {
 
     /// Engine block hashes currently mapped for `worker` (diagnostics and tests).
     pub fn engine_hashes(&self, worker: WorkerId) -> usize {
-        self.engine_maps.len(worker)
+        self.aliases.len(worker)
     }
 }

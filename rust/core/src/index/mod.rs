@@ -23,13 +23,18 @@
 //! an index without `max_nodes` never evicts, so its matches write nothing. Evicting only leaves
 //! keeps every chain intact, and forgetting a block only ever shortens a match, never lengthens it.
 
+pub(crate) mod aliases;
 mod dump;
 mod free;
 mod holders;
+mod lookup;
+mod node;
 mod removals;
 mod shard;
 mod slab;
+mod store;
 mod table;
+mod view;
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -41,7 +46,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard, RwL
 
 pub use holders::{Tier, TierMask, ANY_TIER, MAX_WORKERS};
 pub use removals::{Removal, Since};
-use shard::{mix, Shard, Shared, FREE, ORPHAN, ROOT};
+use shard::{mix, Shard, Shared, FREE, ROOT};
 
 /// Number of shards; a power of two.
 pub const NUM_SHARDS: usize = 16;
@@ -168,8 +173,8 @@ pub struct KvIndex {
     /// Direct-mapped hint: chain tail hash -> shard, so continuation stores skip probing.
     hint: Box<[AtomicU64]>,
     counters: Counters,
-    /// Engine block hash -> sequence hash, per worker, for live KV events (`crate::events`).
-    pub(crate) engine_maps: crate::events::EngineMaps,
+    /// Other parties' ids for the blocks (the engines' block hashes), per worker (`aliases.rs`).
+    pub(crate) aliases: aliases::BlockAliases,
     /// Removals in order, for readers that subscribed (the Router's pending prefixes).
     removals: removals::RemovalLog,
 }
@@ -246,7 +251,7 @@ impl KvIndex {
             awaiting_swept: AtomicUsize::new(0),
             hint: (0..HINT_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             counters: Counters::default(),
-            engine_maps: Default::default(),
+            aliases: Default::default(),
             removals: Default::default(),
         }
     }
@@ -381,284 +386,6 @@ impl KvIndex {
         fallback
     }
 
-    /// Records that `worker` holds the blocks `hashes` (consecutive sequence hashes) on `tier`.
-    /// `parent` is the sequence hash of the block before `hashes[0]`; `None` means block 0.
-    /// Returns the number of (block, worker) entries that are new.
-    pub fn store(&self, worker: WorkerId, hashes: &[u64], parent: Option<u64>, tier: Tier) -> Result<usize, IndexError> {
-        if hashes.is_empty() {
-            return Ok(0);
-        }
-        let (_reg, slot) = self.slot_for(worker)?;
-        let tick = self.clock.fetch_add(1, Relaxed) + 1;
-        if tick >= CLOCK_LIMIT {
-            self.halve_clock();
-        }
-        // Which shard, and which node to hang the chain under. A continuation usually extends
-        // the tail of an earlier store, whose shard the hint remembers: lock it straight away.
-        let room = hashes.len();
-        let hinted = parent.and_then(|p| self.hinted_shard(p)).map(|s| (s, self.write_with_room(s, room)));
-        // (The parent is looked up once, under the lock that the store then keeps.)
-        let (s, mut g, found) = match (parent, hinted) {
-            (None, _) => {
-                let s = root_shard(hashes[0]);
-                (s, self.write_with_room(s, room), None)
-            }
-            (Some(p), hinted) => match hinted.and_then(|(s, held)| held.find(p).map(|i| (s, held, i))) {
-                Some((s, held, i)) => (s, held, Some(i)),
-                None => {
-                    // (A hinted shard without the parent was unlocked when `and_then` dropped it.)
-                    let s = self.locate(p, Some(slot), None).unwrap_or_else(|| root_shard(hashes[0]));
-                    let held = self.write_with_room(s, room);
-                    let i = held.find(p);
-                    (s, held, i)
-                }
-            },
-        };
-        let parent_hash = parent;
-        let mut prev = match (parent_hash, found) {
-            (None, _) => ROOT,
-            (Some(_), Some(i)) => {
-                if g.arena.tiers(g.node(i).holders(), slot) == 0 {
-                    self.counters.orphan_stores.fetch_add(1, Relaxed);
-                }
-                i
-            }
-            (Some(_), None) => {
-                self.counters.orphan_stores.fetch_add(1, Relaxed);
-                ORPHAN
-            }
-        };
-        let mut new_entries = 0;
-        let mut created = 0usize;
-        let mut linked: Vec<u64> = Vec::new();
-        let mut new_orphans: Vec<(u64, u32)> = Vec::new();
-        let mut orphan_of = if prev == ORPHAN { parent_hash } else { None };
-        let mut prev_hash = parent_hash;
-        let waiting = self.awaiting_len.load(Relaxed) > 0;
-        let mut guess = u32::MAX;
-        let mut full = false;
-        let mut k = 0;
-        while k < hashes.len() {
-            if k % YIELD_EVERY == 0 && k > 0 {
-                // Let other writers in every few blocks, so a long store never holds them up for
-                // long; then make sure the block we chain under is still there.
-                g.arena.retire_pending();
-                drop(g);
-                g = write_spinning(self.shard(s));
-                if let (true, Some(ph)) = (prev < FREE, prev_hash) {
-                    if !(g.is_live(prev) && g.node(prev).hash() == ph) {
-                        prev = g.find(ph).unwrap_or(ORPHAN);
-                        if prev == ORPHAN {
-                            orphan_of = Some(ph);
-                        }
-                    }
-                }
-            }
-            // The common case first: blocks the shard lacks, extending the run that ends at the
-            // leaf we chain under, in place (up to the next yield).
-            if prev < FREE {
-                let end = ((k / YIELD_EVERY + 1) * YIELD_EVERY).min(hashes.len());
-                let n = g.extend_run(prev, &hashes[k..end], tick, slot, tier.bit());
-                if n > 0 {
-                    created += n;
-                    new_entries += n;
-                    if waiting {
-                        linked.extend_from_slice(&hashes[k..k + n]);
-                    }
-                    prev += n as u32;
-                    prev_hash = Some(hashes[k + n - 1]);
-                    guess = prev.wrapping_add(1);
-                    k += n;
-                    continue;
-                }
-            }
-            let h = hashes[k];
-            k += 1;
-            let (i, fresh) = match g.is_guess(h, prev, guess) {
-                true => (guess, false),
-                false => match g.find_or_create(h, prev, tick, true) {
-                    Some(x) => x,
-                    None => {
-                        full = true;
-                        break;
-                    }
-                },
-            };
-            guess = i.wrapping_add(1);
-            let i = match fresh {
-                false => {
-                    if g.node(i).parent() != prev && !(prev == ORPHAN && g.node(i).parent() == ORPHAN) {
-                        self.counters.parent_mismatches.fetch_add(1, Relaxed);
-                    }
-                    g.nodes.set_tick(i as usize, tick);
-                    i
-                }
-                true => {
-                    if prev == ORPHAN {
-                        let p = orphan_of.expect("an orphan chain knows its parent hash");
-                        g.orphan_parent.insert(i, p);
-                        new_orphans.push((p, i));
-                    }
-                    created += 1;
-                    if waiting {
-                        linked.push(h);
-                    }
-                    i
-                }
-            };
-            if fresh {
-                g.first_holder(i, slot, tier.bit());
-                new_entries += 1;
-            } else {
-                let (new_entry, dup) = g.add_holder(i, slot, tier.bit());
-                new_entries += new_entry as usize;
-                if dup {
-                    self.counters.duplicate_stores.fetch_add(1, Relaxed);
-                }
-            }
-            prev = i;
-            prev_hash = Some(h);
-        }
-        g.arena.retire_pending();
-        drop(g);
-        // A table this shard outgrew is freed here, by the writer, once no match can hold it.
-        self.shards[s].shared.free_retired_tables();
-        self.nodes.fetch_add(created, Relaxed);
-        self.remember_shard(*hashes.last().unwrap(), s);
-        if !linked.is_empty() {
-            self.adopt_orphans(&linked, s);
-        }
-        for (p, i) in new_orphans {
-            self.await_parent(p, s, i, slot);
-        }
-        drop(_reg);
-        self.maybe_evict();
-        if full {
-            return Err(IndexError::Full(shard::MAX_NODES_PER_SHARD));
-        }
-        Ok(new_entries)
-    }
-
-    /// Registers orphan root `i` of shard `s` as waiting for parent `p`. Registration happens after
-    /// the shard lock is released (lock order: a shard is never held while taking `awaiting`), so
-    /// a parent stored meanwhile is looked for once more here. Stale entries (orphans deleted
-    /// since) are swept when the list has doubled since the last sweep, so it cannot grow without
-    /// bound under event streams that orphan chains permanently.
-    fn await_parent(&self, p: u64, s: usize, i: u32, slot: u32) {
-        let len = {
-            let mut aw = self.awaiting.lock();
-            aw.entry(p).or_default().push((s as u32, i));
-            self.awaiting_len.fetch_add(1, Relaxed) + 1
-        };
-        if let Some(ps) = self.locate(p, Some(slot), None) {
-            self.adopt_orphans(&[p], ps);
-        }
-        if len > 1024 && len > 2 * self.awaiting_swept.load(Relaxed) {
-            self.sweep_awaiting();
-        }
-    }
-
-    /// Drops waiting entries whose orphan root no longer exists.
-    fn sweep_awaiting(&self) {
-        let mut aw = self.awaiting.lock();
-        aw.retain(|&p, list| {
-            list.retain(|&(s, i)| {
-                let g = self.shard(s as usize).read();
-                g.is_live(i) && g.node(i).parent() == ORPHAN && g.orphan_parent.get(&i) == Some(&p)
-            });
-            !list.is_empty()
-        });
-        let live = aw.values().map(Vec::len).sum();
-        self.awaiting_len.store(live, Relaxed);
-        self.awaiting_swept.store(live, Relaxed);
-    }
-
-    /// Hangs the orphan chains that were waiting for any of `created` (now in shard `s`) under it.
-    fn adopt_orphans(&self, created: &[u64], s: usize) {
-        let found: Vec<(u64, Vec<(u32, u32)>)> = {
-            let mut aw = self.awaiting.lock();
-            created.iter().filter_map(|h| aw.remove(h).map(|l| (*h, l))).collect()
-        };
-        for (h, list) in found {
-            self.adopt_list(h, s, list);
-        }
-    }
-
-    fn adopt_list(&self, h: u64, s: usize, list: Vec<(u32, u32)>) {
-        self.awaiting_len.fetch_sub(list.len(), Relaxed);
-        for (os, oi) in list {
-            let os = os as usize;
-            if os == s {
-                let mut g = self.shard(s).write();
-                let Some(pi) = g.find(h) else { continue };
-                if g.is_live(oi) && g.node(oi).parent() == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
-                    g.orphan_parent.remove(&oi);
-                    g.nodes[oi as usize].set_parent(pi);
-                    let c = g.nodes.children(pi as usize);
-                    g.nodes.set_children(pi as usize, c + 1);
-                }
-            } else {
-                self.migrate_orphan(os, oi, s, h);
-            }
-        }
-    }
-
-    /// Moves the subtree rooted at orphan `oi` of shard `from` under node `parent` of shard `to`.
-    fn migrate_orphan(&self, from: usize, oi: u32, to: usize, parent: u64) {
-        let (lo, hi) = (from.min(to), from.max(to));
-        let mut glo = self.shard(lo).write();
-        let mut ghi = self.shard(hi).write();
-        let (src, dst) = if from == lo { (&mut *glo, &mut *ghi) } else { (&mut *ghi, &mut *glo) };
-        if !src.is_live(oi) || src.node(oi).parent() != ORPHAN || src.orphan_parent.get(&oi) != Some(&parent) {
-            return;
-        }
-        let Some(pi) = dst.find(parent) else { return };
-        // Collect the subtree, parents first.
-        let order = src.topo_order();
-        let mut inside = vec![false; src.nodes.len()];
-        let mut sub = Vec::new();
-        for i in order {
-            let p = src.node(i).parent();
-            if i == oi || (p < FREE && inside[p as usize]) {
-                inside[i as usize] = true;
-                sub.push(i);
-            }
-        }
-        let mut map: HashMap<u32, u32> = HashMap::new();
-        let mut list = Vec::new();
-        let mut moved_nodes = 0isize;
-        for &i in &sub {
-            let n = src.node(i);
-            let (h, tick) = (n.hash(), src.nodes.tick(i as usize));
-            let new_parent = if i == oi { pi } else { map[&n.parent()] };
-            let j = match dst.find(h) {
-                Some(j) => j,
-                None => match dst.create(h, new_parent, tick) {
-                    Some(j) => {
-                        moved_nodes += 1;
-                        j
-                    }
-                    None => break,
-                },
-            };
-            map.insert(i, j);
-            src.arena.list(src.node(i).holders(), &mut list);
-            for &(slot, tiers) in &list {
-                dst.add_holder(j, slot, tiers);
-            }
-        }
-        // Delete the source subtree, leaves first.
-        for &i in sub.iter().rev() {
-            if src.is_live(i) {
-                src.evict_leaf(i);
-                moved_nodes -= 1;
-            }
-        }
-        dst.arena.retire_pending();
-        self.nodes.fetch_add(moved_nodes.max(0) as usize, Relaxed);
-        self.nodes.fetch_sub((-moved_nodes).max(0) as usize, Relaxed);
-    }
-
     /// Records that `worker` no longer holds `hashes` on `tiers` (`ANY_TIER`: anywhere).
     /// Returns the number of (block, worker) entries removed; unknown blocks are counted.
     pub fn remove(&self, worker: WorkerId, hashes: &[u64], tiers: TierMask) -> usize {
@@ -715,7 +442,7 @@ impl KvIndex {
 
     /// The worker dropped its whole cache. Returns the entries removed (0 for an unknown worker).
     pub fn clear(&self, worker: WorkerId) -> usize {
-        self.engine_maps.forget(worker);
+        self.aliases.forget(worker);
         self.clear_blocks(worker)
     }
 
@@ -740,7 +467,7 @@ impl KvIndex {
 
     /// Forgets a worker entirely. Returns the entries removed (0 for an unknown worker).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        self.engine_maps.forget(worker);
+        self.aliases.forget(worker);
         if self.removals.on() {
             self.removals.record(std::iter::once(Removal::Worker(worker)));
         }
@@ -780,110 +507,6 @@ impl KvIndex {
     }
 
     // ---- reads -----------------------------------------------------------------------
-
-    /// For each worker holding `hashes[0]`, the number of leading blocks of `hashes` it holds
-    /// (on any tier in `mask`), contiguous from block 0.
-    pub fn find_matches(&self, hashes: &[u64], mask: TierMask) -> Matches {
-        thread_local! {
-            // The walk's buffers, kept per thread: a match allocates only its answer.
-            static SCRATCH: std::cell::RefCell<MatchScratch> = Default::default();
-        }
-        let mut out = Matches::default();
-        SCRATCH.with(|sc| match sc.try_borrow_mut() {
-            Ok(mut sc) => self.match_into(hashes, mask, &mut sc, &mut out),
-            Err(_) => self.match_into(hashes, mask, &mut MatchScratch::default(), &mut out),
-        });
-        out
-    }
-
-    /// `find_matches` into caller-owned buffers.
-    pub fn match_into(&self, hashes: &[u64], mask: TierMask, scratch: &mut MatchScratch, out: &mut Matches) {
-        out.workers.clear();
-        out.depths.clear();
-        let Some(&h0) = hashes.first() else { return };
-        // No lock: the walk reads the shard as published (see `shard::View`), pinned so that
-        // nothing it reads is freed or reused under it. A writer in this shard, running or
-        // descheduled, never holds it up.
-        let guard = crossbeam_epoch::pin();
-        let g = self.shards[root_shard(h0)].shared.view(&guard);
-        // Recency is read only by eviction (`max_nodes`). Without it a match writes nothing; with
-        // it, only to nodes whose recency is more than `touch_slack` store calls stale: a match
-        // that wrote every node it walks whenever a store had moved the clock dirtied ~1 line per
-        // 2-3 blocks under a concurrent writer (its 128-block p99 reached 2.5x idle).
-        let touch = self.max_nodes.map(|_| (self.clock.load(Relaxed), self.touch_slack));
-        let MatchScratch { alive, slots } = scratch;
-        slots.clear();
-        let mut prev = ROOT;
-        let mut prev_hash = 0u64;
-        let mut guess = u32::MAX;
-        let mut depth = 0u32;
-        let mut nw = 0usize;
-        // Consecutive blocks usually have the very same holders (one encoding, or one spilled set):
-        // then the set of workers still matching cannot change and the intersection is skipped.
-        let mut last_holders = None;
-        let mut d = 0usize;
-        while d < hashes.len() {
-            let h = hashes[d];
-            let Some((i, hold)) = g.find_child(h, prev, prev_hash, guess) else { break };
-            if last_holders != Some(hold) {
-                if d == 0 {
-                    // Words of the bitset: as many as the highest slot needs (a worker registered
-                    // after this match began can only be in blocks it stored since, and is named
-                    // by the `slot_ids` loaded below or not at all).
-                    nw = self.slot_ids_in(&guard).len().div_ceil(64).max(1);
-                    alive.clear();
-                    alive.resize(nw, 0);
-                }
-                last_holders = Some(hold);
-                let mut any = 0u64;
-                for (w, a) in alive.iter_mut().enumerate() {
-                    let held = g.word(hold, mask, w);
-                    let next = if d == 0 { held } else { *a & held };
-                    let mut dropped = *a & !next;
-                    while dropped != 0 {
-                        slots.push((w as u32 * 64 + dropped.trailing_zeros(), d as u32));
-                        dropped &= dropped - 1;
-                    }
-                    *a = next;
-                    any |= next;
-                }
-                if any == 0 {
-                    break;
-                }
-            }
-            if let Some(t) = touch {
-                g.touch(i, t);
-            }
-            // Then along the run after it, as long as the holders stay the same.
-            let run = g.follow_run(i, &hashes[d + 1..], hold, touch);
-            prev = i + run as u32;
-            prev_hash = hashes[d + run];
-            guess = prev.wrapping_add(1);
-            d += 1 + run;
-            depth = d as u32;
-        }
-        if nw > 0 {
-            for (w, &a) in alive.iter().enumerate() {
-                let mut bits = a;
-                while bits != 0 {
-                    slots.push((w as u32 * 64 + bits.trailing_zeros(), depth));
-                    bits &= bits - 1;
-                }
-            }
-        }
-        // Loaded after the walk, still pinned: a slot read above names its worker, or no one
-        // if the worker was removed meanwhile (slots are reused only after the epoch's grace).
-        let ids = self.slot_ids_in(&guard);
-        for &(slot, d) in slots.iter() {
-            if d == 0 {
-                continue;
-            }
-            if let Some(Some(id)) = ids.get(slot as usize) {
-                out.workers.push(*id);
-                out.depths.push(d);
-            }
-        }
-    }
 
     /// Number of blocks `worker` holds (0 for an unknown worker).
     pub fn num_blocks(&self, worker: WorkerId) -> u64 {
