@@ -431,6 +431,29 @@ class DataPlane:
     def render_chat(self, body: bytes) -> str | None: ...
 
 @final
+class ApproxCache:
+    """The router's own decisions as cache state, for when no KV events arrive: each routed prompt's
+    blocks are stored in ``index`` for its worker and removed ``ttl`` seconds after their last use.
+    The data plane's own implementation, thread-safe.
+
+    >>> idx = KvIndex(); c = ApproxCache(idx, ttl=10.0)
+    >>> c.insert(0, [1, 2], now=0.0); c.expire(10.0), idx.num_blocks(0)
+    (2, 0)
+    """
+
+    def __new__(cls, index: KvIndex, ttl: float) -> ApproxCache: ...
+    def insert(self, worker: int, hashes: Hashes, now: float) -> None:
+        """Records that ``worker`` was sent a prompt with these sequence hashes at ``now`` (seconds)."""
+    def expire(self, now: float) -> int:
+        """Removes blocks untouched for ``ttl`` as of ``now``; returns how many."""
+    def drop_worker(self, worker: int) -> None:
+        """Forgets a worker's blocks (it failed: its cache is presumed gone), in the index too."""
+    @property
+    def store_errors(self) -> int:
+        """Index stores that failed (the index refused the blocks); counted, never raised."""
+    def __len__(self) -> int: ...
+
+@final
 class ExactPrompter:
     """Exact mode's prompter, as the data plane runs it: a ``tokenizer.json`` (or its directory) and
     the chat template of the ``tokenizer_config.json`` beside it. Bodies are raw JSON bytes;

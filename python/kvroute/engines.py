@@ -239,7 +239,7 @@ class EngineRouter:
             everyone = len(allowed) == len(self._engines)
         now = self.clock()
         lease = self.leases.open(prompt.hashes, prompt.num_tokens, prompt.output_tokens, None if everyone else allowed, ticket)
-        with self._lock:  # ApproxCache is not thread-safe on its own
+        with self._lock:  # the engine table may change under us
             self.approx.expire(now)
             e = self._by_worker.get(lease.worker)
             if e is not None and not e.kv_events:

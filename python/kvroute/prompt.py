@@ -15,15 +15,14 @@ hashes equal the engines' KV events; approximate mode hashes the prompt text in 
 from __future__ import annotations
 
 import json
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvroute._core import ApproxCache, approx_prompt
 from kvroute._core import ExactPrompter as _RustExactPrompter
-from kvroute._core import KvIndex, approx_prompt
 
 __all__ = ["ApproxCache", "ApproxPrompter", "BadRequest", "ExactPrompter", "Prompt", "Prompter", "load_prompter"]
 
@@ -139,48 +138,3 @@ class ExactPrompter(Prompter):
 def load_prompter(tokenizer: str | None, block_size: int, seed: int) -> Prompter:
     """Exact mode when a tokenizer path is given, else approximate mode."""
     return ExactPrompter(tokenizer, block_size, seed) if tokenizer else ApproxPrompter(block_size, seed)
-
-
-class ApproxCache:
-    """The router's own decisions as cache state, for when no KV events arrive: each routed
-    prompt's blocks are stored for its worker and removed ``ttl`` seconds after last use."""
-
-    def __init__(self, index: KvIndex, ttl: float) -> None:
-        if not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
-        self.index = index
-        self.ttl = ttl
-        self._touched: dict[tuple[int, int], float] = {}
-        self._log: deque[tuple[float, int, npt.NDArray[np.uint64]]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._touched)
-
-    def insert(self, worker: int, hashes: npt.NDArray[np.uint64], now: float) -> None:
-        if not len(hashes):
-            return
-        self.index.store(worker, hashes)
-        touched = self._touched
-        for h in hashes.tolist():
-            touched[(worker, h)] = now
-        self._log.append((now, worker, hashes))
-
-    def expire(self, now: float) -> int:
-        """Removes blocks untouched for ``ttl``; returns how many."""
-        removed = 0
-        log, touched, cutoff = self._log, self._touched, now - self.ttl
-        while log and log[0][0] <= cutoff:
-            t, worker, hashes = log.popleft()
-            stale = [h for h in hashes.tolist() if touched.get((worker, h), now) <= t]
-            if stale:
-                for h in stale:
-                    del touched[(worker, h)]
-                self.index.remove(worker, np.asarray(stale, dtype=np.uint64))
-                removed += len(stale)
-        return removed
-
-    def drop_worker(self, worker: int) -> None:
-        """Forgets a worker's blocks (it failed: its cache is presumed gone)."""
-        self._touched = {k: v for k, v in self._touched.items() if k[0] != worker}
-        self._log = deque(r for r in self._log if r[1] != worker)
-        self.index.clear(worker)

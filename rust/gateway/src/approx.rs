@@ -9,7 +9,8 @@ use hashbrown::HashMap;
 use kvroute_core::{KvIndex, Tier, WorkerId, ANY_TIER};
 use parking_lot::Mutex;
 
-/// Same semantics as Python's `ApproxCache`: a block's TTL restarts whenever a routed prompt touches it.
+/// A block's TTL restarts whenever a routed prompt touches it. The one implementation: Python's
+/// `kvroute.prompt.ApproxCache` is this (`rust/py/src/prompt.rs`).
 pub struct ApproxCache {
     index: Arc<KvIndex>,
     ttl: f64,

@@ -4,14 +4,18 @@
 
 use std::path::PathBuf;
 
-use kvroute_gateway::{ExactError, ExactPrompter};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_gateway::{ApproxCache, ExactError, ExactPrompter};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::convert::check_block_size;
+use crate::convert::{check_block_size, extract_hashes, extract_u64};
 use crate::dataplane::{bad_request, parse};
+use crate::index::PyKvIndex;
 
 /// Exact mode: a tokenizer.json (or a directory holding one) and the chat template of the
 /// tokenizer_config.json beside it, as the data plane loads them.
@@ -83,6 +87,61 @@ impl PyExactPrompter {
     }
 }
 
+/// The router's own decisions as cache state, for when no KV events arrive: each routed prompt's
+/// blocks are stored in `index` for its worker and removed `ttl` seconds after their last use.
+/// The data plane's own implementation (`rust/gateway/src/approx.rs`), thread-safe.
+///
+/// >>> idx = KvIndex(); c = ApproxCache(idx, ttl=10.0)
+/// >>> c.insert(0, [1, 2], now=0.0); c.expire(10.0), idx.num_blocks(0)
+/// (2, 0)
+#[pyclass(frozen, module = "kvroute._core", name = "ApproxCache")]
+pub struct PyApproxCache {
+    inner: Arc<ApproxCache>,
+}
+
+#[pymethods]
+impl PyApproxCache {
+    #[new]
+    fn new(index: &Bound<'_, PyKvIndex>, ttl: f64) -> PyResult<Self> {
+        if !(ttl.is_finite() && ttl > 0.0) {
+            return Err(PyValueError::new_err(format!("ttl must be a finite number > 0 seconds, got {ttl}")));
+        }
+        Ok(PyApproxCache { inner: Arc::new(ApproxCache::new(index.get().inner.clone(), Duration::from_secs_f64(ttl))) })
+    }
+
+    /// Records that `worker` was sent a prompt with these sequence hashes at `now` (seconds).
+    fn insert(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, hashes: &Bound<'_, PyAny>, now: f64) -> PyResult<()> {
+        let w = extract_u64(worker, "worker")?;
+        let hs = extract_hashes(hashes)?;
+        let s = hs.as_slice();
+        py.detach(|| self.inner.insert(w, s, now));
+        Ok(())
+    }
+
+    /// Removes blocks untouched for `ttl` as of `now`; returns how many.
+    fn expire(&self, py: Python<'_>, now: f64) -> usize {
+        py.detach(|| self.inner.expire(now))
+    }
+
+    /// Forgets a worker's blocks (it failed: its cache is presumed gone), in the index too.
+    fn drop_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let w = extract_u64(worker, "worker")?;
+        py.detach(|| self.inner.drop_worker(w));
+        Ok(())
+    }
+
+    /// Index stores that failed (the index refused the blocks); counted, never raised.
+    #[getter]
+    fn store_errors(&self) -> u64 {
+        self.inner.store_errors()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyApproxCache>()?;
     m.add_class::<PyExactPrompter>()
 }
