@@ -48,7 +48,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from bench_real_engines import MAX_TOKENS, Conversation, Result, calibrate_prefill, counters, drive, reset, vocabulary, workload
-from kvroute.engines import DEFAULT_TOKEN_SHARE_BOUND
+from kvroute.integrations.engine_router import DEFAULT_TOKEN_SHARE_BOUND
 from kvroute.sim.suite import default_policy
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, free_port
 
@@ -310,7 +310,7 @@ def run_litellm(
     diag: bool = False,
 ) -> list[dict[str, Any]]:
     import litellm
-    from kvroute.engines import EngineRouter
+    from kvroute.integrations.engine_router import EngineRouter
     from kvroute.integrations.litellm import KvrouteStrategy
 
     model_list = [

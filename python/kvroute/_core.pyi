@@ -288,6 +288,9 @@ class Router:
     def prefill_done(self, request_id: RequestId, now: float | None = None) -> None: ...
     def finished(self, request_id: RequestId, now: float | None = None) -> None: ...
     def cancel(self, request_id: RequestId, now: float | None = None) -> None: ...
+    def set_prefix_cache_blocks(self, worker: int, blocks: int | None) -> None:
+        """Sets a registered worker's prefix-cache size in KV blocks (None: unknown), e.g. once its
+        engine reports it; the worker's load and in-flight requests are kept."""
     def observe(
         self,
         worker: int,

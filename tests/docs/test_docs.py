@@ -6,13 +6,13 @@ import doctest
 
 import kvroute
 import kvroute._core
-import kvroute.engines
-import kvroute.lease
+import kvroute.integrations.engine_router
+import kvroute.integrations.lease
 import kvroute.prompt
 
 
 def test_package_doctests() -> None:
-    for mod in (kvroute, kvroute._core, kvroute.lease, kvroute.engines, kvroute.prompt):
+    for mod in (kvroute, kvroute._core, kvroute.integrations.lease, kvroute.integrations.engine_router, kvroute.prompt):
         assert doctest.testmod(mod, extraglobs=vars(kvroute)).failed == 0
     assert doctest.testmod(kvroute).attempted >= 3
 

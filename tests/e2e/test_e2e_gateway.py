@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from kvroute.gateway.engine_metrics import parse_engine_metrics
+from kvroute.fleet.engine_metrics import parse_engine_metrics
 from vllm_bed import MODEL_NAME, Gateway
 
 MODES = ["exact", "approximate"]

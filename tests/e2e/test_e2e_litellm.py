@@ -21,7 +21,7 @@ from typing import Any
 
 import litellm
 import pytest
-from kvroute.engines import EngineRouter
+from kvroute.integrations.engine_router import EngineRouter
 from kvroute.integrations.litellm import KvrouteProxyHandler, KvrouteStrategy
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, chat_turns, poll
 

@@ -371,7 +371,7 @@ def test_constructor_validation():
 def test_engine_router_syncs_history_and_resumes_followed_engines_when_it_meets_a_new_one(ctx, tmp_path):
     pytest.importorskip("tokenizers")
     from exact_tokenizers import build_word_level
-    from kvroute.engines import EngineRouter
+    from kvroute.integrations.engine_router import EngineRouter
 
     engines = [FakeEngine("vllm", block_size=BS, capacity=60) for _ in range(2)]
     pubs = [ctx.publisher() for _ in range(2)]
@@ -388,7 +388,7 @@ def test_engine_router_syncs_history_and_resumes_followed_engines_when_it_meets_
         pubs[0].wait_for_subscriber()
         for toks in workload(seed=50, n=4):
             pubs[0].publish(engines[0].encode(engines[0].process(toks)))
-        assert er._subscriber.wait_for(caught_up({e0.worker: pubs[0]}), TIMEOUT)
+        assert er.fleet._subscriber.wait_for(caught_up({e0.worker: pubs[0]}), TIMEOUT)
         e1 = er.add("e1", "http://127.0.0.1:2", kv_events=pubs[1].endpoint, kv_events_replay=pubs[1].replay_endpoint)
         assert not er.synced() or er.subscriber_stats()["replayed_batches"] == 12
         assert asyncio.run(er.wait_synced_async(TIMEOUT))

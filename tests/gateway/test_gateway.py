@@ -21,8 +21,8 @@ from gateway_harness import (
     poll,
     run,
 )
+from kvroute.fleet.engine_metrics import parse_engine_metrics
 from kvroute.gateway import GatewayConfig
-from kvroute.gateway.engine_metrics import parse_engine_metrics
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1 KB shared prefix
 

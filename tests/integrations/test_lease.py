@@ -1,4 +1,4 @@
-"""kvroute.lease and kvroute.engines: leases released exactly once (finish, fail, cancel, TTL), from
+"""kvroute.integrations.lease and kvroute.integrations.engine_router: leases released exactly once (finish, fail, cancel, TTL), from
 many threads; candidate restriction; EngineRouter's prefix routing, cool-down and engine /metrics."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 import kvroute
 import numpy as np
 import pytest
-from kvroute.engines import EngineRouter, NoCandidates
-from kvroute.lease import LeaseTable, RequestRejected
+from kvroute.integrations.engine_router import EngineRouter, NoCandidates
+from kvroute.integrations.lease import LeaseTable, RequestRejected
 from kvroute.prompt import BadRequest
 
 

@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from kvroute.engines import EngineRouter
 from kvroute.gateway.mock import MockWorker
+from kvroute.integrations.engine_router import EngineRouter
 from kvroute.integrations.litellm import LEASES_KEY, KvrouteProxyHandler, KvrouteStrategy
 
 

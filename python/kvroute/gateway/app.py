@@ -1,6 +1,6 @@
-"""The gateway's control plane: configuration, the worker table, health probes, engine /metrics
-polling into ``Router.observe``, the KV-event subscriber and the admin API, around the Rust data
-plane (``kvroute._core.DataPlane``) that serves every client request.
+"""The gateway's control plane: configuration, health probes and the admin API, around the Rust
+data plane (``kvroute._core.DataPlane``) that serves every client request. Its engines (the worker
+table, KV events, what their /metrics say) are a ``kvroute.fleet.Fleet``, as the integrations' are.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -18,8 +17,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from kvroute._core import DataPlane, KvrouteError, Router, UnknownWorkerError
-from kvroute.gateway.engine_metrics import parse_engine_metrics
+from kvroute._core import DataPlane, KvrouteError, Router
+from kvroute.fleet import Engine, Fleet
 
 __all__ = ["Gateway", "GatewayConfig", "WorkerConfig", "make_gateway", "run", "serve"]
 
@@ -42,7 +41,8 @@ class WorkerConfig:
     decode_tokens_per_s: float | None = None
     kv_capacity_blocks: int | None = None
     #: The engine's prefix-cache size in KV blocks (vLLM: ``num_gpu_blocks`` minus its null block),
-    #: what the default policy ("capacity") charges evictions against; None: unknown, not charged.
+    #: what the default policy ("capacity") charges evictions against; None: read from the engine's
+    #: /metrics (vLLM's ``cache_config_info``) when ``metrics_interval`` polls it, else not charged.
     prefix_cache_blocks: int | None = None
 
     def __post_init__(self) -> None:
@@ -103,14 +103,15 @@ class GatewayConfig:
 
 
 class _Worker:
-    """A worker as the control plane knows it: its id and configuration; its health and counters
-    live in the data plane."""
+    """A worker as the control plane knows it: its engine in the fleet and its configuration; its
+    health and counters live in the data plane."""
 
-    __slots__ = ("cfg", "gw", "id", "probing")
+    __slots__ = ("cfg", "engine", "gw", "id", "probing")
 
-    def __init__(self, gw: Gateway, wid: int, cfg: WorkerConfig) -> None:
+    def __init__(self, gw: Gateway, engine: Engine, cfg: WorkerConfig) -> None:
         self.gw = gw
-        self.id = wid
+        self.engine = engine
+        self.id = engine.worker
         self.cfg = cfg
         self.probing = False
 
@@ -164,14 +165,13 @@ class Gateway:
             log.warning(
                 "the chat template does not compile here (%s); chat requests route on approximate hashes", self.plane.template_unsupported
             )
+        self.fleet = Fleet(router)
         self.workers: dict[int, _Worker] = {}
-        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._probes: set[asyncio.Task[None]] = set()
         self._admin: web.AppRunner | None = None
         self.session: aiohttp.ClientSession | None = None  # health probes and /metrics polling
-        self.subscriber: Any = None
         self.url: str | None = None
         for w in workers:
             self.add_worker(w)
@@ -188,34 +188,32 @@ class Gateway:
             raise ValueError(f"worker {wc.url} is already configured")
         if wc.role == "prefill" and self.config.pd_convention == "sglang" and wc.bootstrap_port is None:
             wc = replace(wc, bootstrap_port=8998)  # SGLang's default --disaggregation-bootstrap-port
-        w = _Worker(self, next(self._ids), wc)
-        self._register(w)
+        e = self.fleet.add(
+            wc.url,
+            wc.url,
+            role=cast(Any, wc.role),
+            kv_events=self.config.kv_events.get(wc.url),
+            kv_events_replay=self.config.kv_events_replay.get(wc.url),
+            prefill_tokens_per_s=wc.prefill_tokens_per_s,
+            decode_tokens_per_s=wc.decode_tokens_per_s,
+            kv_capacity_blocks=wc.kv_capacity_blocks,
+            prefix_cache_blocks=wc.prefix_cache_blocks,
+        )
+        w = _Worker(self, e, wc)
         try:
             self.plane.add_worker(w.id, w.url, role=wc.role, bootstrap_port=wc.bootstrap_port)
         except ValueError:
-            self.router.remove_worker(w.id)
+            self.fleet.remove(e.key)
             raise
         self.workers[w.id] = w
         return w
 
-    def _register(self, w: _Worker) -> None:
-        c = w.cfg
-        self.router.add_worker(
-            w.id,
-            role=cast(Any, c.role),
-            prefill_tokens_per_s=c.prefill_tokens_per_s,
-            kv_capacity_blocks=c.kv_capacity_blocks,
-            decode_tokens_per_s=c.decode_tokens_per_s,
-            prefix_cache_blocks=c.prefix_cache_blocks,
-        )
-
     def remove_worker(self, wid: int) -> dict[str, Any]:
         """Forgets a worker (its requests in flight complete); returns its last row."""
-        row = self.workers.pop(wid).to_dict()
+        w = self.workers.pop(wid)
+        row = w.to_dict()
         self.plane.remove_worker(wid)
-        if row["healthy"]:
-            with contextlib.suppress(UnknownWorkerError):
-                self.router.remove_worker(wid)
+        self.fleet.remove(w.engine.key)
         if self.plane.has_approx:
             self.plane.approx_drop_worker(wid)
         else:
@@ -249,7 +247,7 @@ class Gateway:
         try:
             while w.id in self.workers and not w.healthy:
                 if await self._healthy(w):
-                    self._register(w)
+                    self.fleet.register(w.engine)
                     self.plane.set_healthy(w.id, True)
                     log.warning("worker %s is healthy again", w.url)
                     return
@@ -283,7 +281,8 @@ class Gateway:
             await asyncio.sleep(self.config.metrics_interval)
 
     async def poll_metrics(self, w: _Worker) -> dict[str, float] | None:
-        """Reads one engine's /metrics and folds waiting/running/KV usage into ``Router.observe``."""
+        """Reads one engine's /metrics and folds it into the Router (``Fleet.observe``: waiting /
+        running / KV usage into ``Router.observe``; the cache's size and block size learned)."""
         assert self.session is not None
         try:
             async with self.session.get(w.url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
@@ -292,16 +291,9 @@ class Gateway:
                 text = await r.text()
         except _NETWORK_ERRORS:
             return None
-        seen = parse_engine_metrics(text)
-        if seen and w.healthy:
-            with contextlib.suppress(UnknownWorkerError):
-                self.router.observe(
-                    w.id,
-                    waiting=int(seen["waiting"]) if "waiting" in seen else None,
-                    running=int(seen["running"]) if "running" in seen else None,
-                    kv_usage=seen.get("kv_usage"),
-                )
-        return seen
+        if not w.healthy or w.id not in self.workers:
+            return None
+        return self.fleet.observe(w.engine, text)
 
     def metrics(self) -> dict[str, Any]:
         """The data plane's counters (what ``GET /metrics`` renders)."""
@@ -378,19 +370,10 @@ class Gateway:
         )
         try:
             if self.config.kv_events:
-                from kvroute.events import KvEventSubscriber
-
-                by_url = {w.url: w.id for w in self.workers.values()}
-                self.subscriber = KvEventSubscriber(
-                    self.router.index,
-                    {by_url[u]: ep for u, ep in self.config.kv_events.items()},
-                    replay_endpoints={by_url[u]: ep for u, ep in self.config.kv_events_replay.items()} or None,
-                    block_size=self.block_size,
-                    seed=self.hash_seed,
-                ).start()
+                self.fleet.start_events()
                 # The engines' buffered history first (bounded by the replay timeout), so the first
                 # requests are routed on what the engines already cache.
-                await self.subscriber.wait_for_async(lambda st: bool(st["synced"]), 5.0)
+                await self.fleet.wait_synced_async(5.0)
             admin_port = await self._start_admin() if self.config.admin_token else None
             bound_host, bound_port = self.plane.start(host, port, admin_port=admin_port)
         except BaseException:
@@ -418,9 +401,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
-        if self.subscriber is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.subscriber.stop)
-            self.subscriber = None
+        await asyncio.get_running_loop().run_in_executor(None, self.fleet.stop_events)
         if self._admin is not None:
             await self._admin.cleanup()
             self._admin = None

@@ -64,7 +64,10 @@ class MockWorker:
         rendezvous: Rendezvous | None = None,
         bootstrap_port: int = 8998,
         ssl_context: Any = None,
+        cache_config: tuple[int, int] | None = None,
     ) -> None:
+        #: (block_size, num_gpu_blocks) published as vLLM's ``vllm:cache_config_info`` on /metrics (None: not published).
+        self.cache_config = cache_config
         self.name = name
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve https
         self.role = role
@@ -270,6 +273,13 @@ class MockWorker:
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f'vllm:kv_cache_usage_perc{{model_name="mock",engine="0"}} {usage}\n'
         )
+        if self.cache_config is not None:
+            bs, blocks = self.cache_config
+            text += (
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{bs}",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+                f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
+            )
         return web.Response(text=text)
 
     async def _models(self, _request: web.Request) -> web.StreamResponse:

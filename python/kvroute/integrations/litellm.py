@@ -11,7 +11,7 @@ with the settings in ``KVROUTE_*`` environment variables. Examples: docs/integra
 
 Deployments are engines keyed by ``model_info.id`` at ``litellm_params.api_base``; a deployment's
 ``model_info`` may name its KV-event endpoints (``kv_events``, ``kv_events_replay``). Each pick is a
-lease (``kvroute.lease``) whose ticket rides in the request's metadata to the outcome callbacks.
+lease (``kvroute.integrations.lease``) whose ticket rides in the request's metadata to the outcome callbacks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvroute.engines import EngineRouter, NoCandidates
+from kvroute.integrations.engine_router import EngineRouter, NoCandidates
 from kvroute.prompt import BadRequest
 
 try:
@@ -74,7 +74,7 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
     attempt they report (success: ``finished``; failure: ``failed`` and a short cool-down of that
     engine); a retry's pick releases what the request's earlier attempt still held and excludes
     that deployment. A stream the client abandons reports nothing: ``lease_ttl`` releases it.
-    Keyword arguments go to ``kvroute.engines.EngineRouter`` (``tokenizer``, ``block_size``,
+    Keyword arguments go to ``kvroute.integrations.engine_router.EngineRouter`` (``tokenizer``, ``block_size``,
     ``lease_ttl``, ``metrics_interval``, ``failure_cooldown``, Router settings such as ``policy``).
     """
 

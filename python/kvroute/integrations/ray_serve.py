@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.engines import EngineRouter, NoCandidates
+from kvroute.integrations.engine_router import EngineRouter, NoCandidates
 from kvroute.prompt import BadRequest
 
 try:
@@ -161,7 +161,7 @@ def routers() -> list[KvrouteRequestRouter]:
 class KvrouteRequestRouter(RequestRouter):  # type: ignore[misc,unused-ignore]
     """A Serve ``RequestRouter``: ``choose_replicas`` ranks ``[[kvroute's pick], [the others]]``.
 
-    ``request_router_kwargs`` go to ``kvroute.engines.EngineRouter`` (``tokenizer``, ``block_size``,
+    ``request_router_kwargs`` go to ``kvroute.integrations.engine_router.EngineRouter`` (``tokenizer``, ``block_size``,
     ``metrics_interval`` (default 1 s here), ``lease_ttl``, Router settings such as ``policy``). Every
     routed request holds a lease until ``on_request_completed`` (success, error or cancel). A
     request that comes back with engines to exclude (``OpenAIRequest.exclude``, the ingress's retry

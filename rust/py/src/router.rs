@@ -281,6 +281,17 @@ impl PyRouter {
         self.inner.observe(id, Observed { waiting, running, kv_usage }, queue_delay, check_time(now, "now")?).map_err(to_py)
     }
 
+    /// Sets a registered worker's prefix-cache size in KV blocks (None: unknown), e.g. once its
+    /// engine reports it; the worker's load and in-flight requests are kept.
+    fn set_prefix_cache_blocks(&self, worker: &Bound<'_, PyAny>, blocks: Option<i64>) -> PyResult<()> {
+        let id = extract_u64(worker, "worker")?;
+        let blocks = match blocks {
+            Some(b) if b < 0 => return Err(PyValueError::new_err(format!("blocks must be >= 0 or None, got {b}"))),
+            b => b.map(|b| b as u64),
+        };
+        self.inner.set_prefix_cache_blocks(id, blocks).map_err(to_py)
+    }
+
     /// Registered worker ids, ascending.
     fn workers(&self) -> Vec<u64> {
         self.inner.workers()

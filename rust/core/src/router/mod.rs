@@ -274,6 +274,16 @@ impl Router {
         Ok(())
     }
 
+    /// Sets worker `id`'s prefix-cache size in KV blocks (None: unknown) once it is learned from the
+    /// engine itself (vLLM's `cache_config_info`); its load and in-flight requests are kept.
+    pub fn set_prefix_cache_blocks(&self, id: WorkerId, blocks: Option<u64>) -> Result<(), RouterError> {
+        let mut st = self.state.lock();
+        let at = *st.pos.get(&id).ok_or(RouterError::UnknownWorker(id))?;
+        st.workers[at].spec.prefix_cache_blocks = blocks;
+        Self::reindex(&mut st);
+        Ok(())
+    }
+
     fn reindex(st: &mut State) {
         let State { workers, pos, evicted, .. } = st;
         pos.clear();

@@ -1227,3 +1227,18 @@ fn a_unified_worker_without_a_seat_is_chosen_only_when_none_has_one() {
         assert_eq!(go(6, 1.0).worker, 1);
     }
 }
+
+#[test]
+fn a_learned_prefix_cache_size_keeps_the_workers_load() {
+    let r = router("capacity", TieBreak::Lowest, 2);
+    let p = prompt(1, 640);
+    r.route(&RouteRequest { tokens: Some(&p), request_id: Some(7), now: Some(0.0), ..Default::default() }).unwrap();
+    let busy = r.load(0).unwrap();
+    r.set_prefix_cache_blocks(0, Some(31)).unwrap();
+    let after = r.load(0).unwrap();
+    assert_eq!(after.spec.prefix_cache_blocks, Some(31));
+    assert_eq!((after.busy_until, after.active), (busy.busy_until, busy.active));
+    assert_eq!(r.num_in_flight(), 1);
+    r.finished(7, Some(1.0)).unwrap();
+    assert_eq!(r.set_prefix_cache_blocks(9, None), Err(RouterError::UnknownWorker(9)));
+}

@@ -2,9 +2,9 @@
 Router workers, with one KvEventSubscriber and an engine /metrics poller keeping the Router true.
 
 ``EngineRouter`` is what the integrations share: an OpenAI request body in, a leased pick among the
-host's candidate engines out (``kvroute.prompt`` + ``kvroute.lease`` on one Router).
+host's candidate engines out (``kvroute.prompt`` + ``kvroute.integrations.lease`` on one Router).
 
->>> from kvroute.engines import EngineRouter
+>>> from kvroute.integrations.engine_router import EngineRouter
 >>> er = EngineRouter(block_size=16)
 >>> a, b = er.add("a", "http://127.0.0.1:8000"), er.add("b", "http://127.0.0.1:8001")
 >>> lease = er.lease({"prompt": "x" * 400}, chat=False, candidates=["a", "b"])
@@ -14,25 +14,21 @@ host's candidate engines out (``kvroute.prompt`` + ``kvroute.lease`` on one Rout
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from kvroute._core import NoWorkersError, Router, UnknownWorkerError
-from kvroute.gateway.engine_metrics import parse_engine_metrics
-from kvroute.lease import Lease, LeaseTable
+from kvroute._core import NoWorkersError, Router, router_parameters
+from kvroute.fleet import Engine, Fleet
+from kvroute.integrations.lease import Lease, LeaseTable
 from kvroute.prompt import ApproxCache, Prompter, load_prompter
 
 __all__ = ["DEFAULT_TOKEN_SHARE_BOUND", "Engine", "EngineRouter", "NoCandidates"]
 
-#: EngineRouter's bounded token share (``kvroute.Router``'s ``token_share_bound``): see EngineRouter.
-DEFAULT_TOKEN_SHARE_BOUND = 1.25
+#: EngineRouter's bounded token share: the Router's "host_router" preset (docs/router.md, "Configuration").
+DEFAULT_TOKEN_SHARE_BOUND = cast(float, next(d for n, _, d, _, _ in router_parameters("host_router") if n == "token_share_bound"))
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +37,15 @@ class NoCandidates(NoWorkersError):
     """None of the host's candidate engines can take the request (unknown, or all excluded)."""
 
 
-@dataclass(frozen=True)
-class Engine:
-    """One engine: the host's ``key`` for it, its OpenAI base ``url`` (``http://host:port``), the
-    Router ``worker`` id it got, and its KV-event PUB / replay endpoints when it publishes them."""
-
-    key: str
-    url: str
-    worker: int
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-
-
 class EngineRouter:
     """A Router over engines named by the host, a prompter, request leases, KV events and load polling.
 
     ``tokenizer``: the engines' ``tokenizer.json`` (or its directory) for exact mode; its hashes equal
     the engines' KV events, so engines added with ``kv_events`` keep the index true. Without one
     (approximate mode, text blocks), or for engines without KV events, the Router learns cache state
-    from its own decisions (``ApproxCache``, ``approx_ttl`` seconds). ``block_size`` must be the
-    engines' KV block size when KV events are used. ``lease_ttl`` bounds how long a request nobody
+    from its own decisions (``ApproxCache``, ``approx_ttl`` seconds). ``block_size`` (default: the
+    Router's "host_router" preset, 16, vLLM's default) must be the engines' KV block size when KV
+    events are used; the poller reports an engine whose /metrics says otherwise. ``lease_ttl`` bounds how long a request nobody
     reports back holds load; ``metrics_interval`` (seconds, ``None`` = off) polls each engine's
     /metrics into ``Router.observe``, which is how load caused by other routers (other LiteLLM or
     Ray processes) is seen. ``failure_cooldown``: an engine a request failed on gets no new requests
@@ -68,8 +53,9 @@ class EngineRouter:
     registers the engines' decode speed: the Router's TPOT model, ``decode_step_s + batch /
     decode_tokens_per_s`` (``decode_step_s`` is a Router argument), and on these unified engines the
     step a new prefill runs in beside the requests already there, which the default policy charges
-    (docs/router.md, "Load model"). ``prefix_cache_blocks`` (``None`` = unknown) registers the
-    engines' prefix-cache size in KV blocks (vLLM: its ``num_gpu_blocks`` minus its null block), which
+    (docs/router.md, "Load model"). ``prefix_cache_blocks`` (``None``: read from each engine's
+    /metrics, vLLM's ``cache_config_info``, by the poller) registers the engines' prefix-cache size in
+    KV blocks (vLLM: its ``num_gpu_blocks`` minus its null block), which
     the ``capacity`` policy (and ``eviction_weight``) needs to charge what a placement evicts; the
     occupancy is the index's count for the engine, raised by the engine's reported KV usage when
     that is higher. 0 (prefix caching off) is charged nothing, as ``None`` is: no cached block to
@@ -84,7 +70,7 @@ class EngineRouter:
     def __init__(
         self,
         *,
-        block_size: int = 16,
+        block_size: int | None = None,
         tokenizer: str | None = None,
         hash_seed: int = 1337,
         topic: str = "",
@@ -99,6 +85,8 @@ class EngineRouter:
         clock: Callable[[], float] = time.monotonic,
         **router_kwargs: Any,
     ) -> None:
+        if block_size is None:
+            block_size = cast(int, next(d for n, _, d, _, _ in router_parameters("host_router") if n == "block_size"))
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if metrics_interval is not None and not metrics_interval > 0:
@@ -121,88 +109,71 @@ class EngineRouter:
         self.failure_cooldown = failure_cooldown
         self.clock = clock
         self.prompter: Prompter = load_prompter(tokenizer, block_size, hash_seed)
-        self.router = Router(block_size=block_size, hash_seed=hash_seed, token_share_bound=token_share_bound, **router_kwargs)
+        self.router = Router(
+            preset="host_router", block_size=block_size, hash_seed=hash_seed, token_share_bound=token_share_bound, **router_kwargs
+        )
+        self.fleet = Fleet(self.router, topic=topic)
+        # KV events from every engine that publishes them, as soon as it is added.
+        self.fleet.start_events()
         self.leases = LeaseTable(self.router, ttl=lease_ttl, clock=clock)
         self.approx = ApproxCache(self.router.index, approx_ttl)
         self._lock = threading.RLock()
-        self._engines: dict[str, Engine] = {}
-        self._by_worker: dict[int, Engine] = {}
         self._failed_at: dict[str, float] = {}
-        self._next_worker = 0
-        self._subscriber: Any = None
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
 
     # ---- engines -----------------------------------------------------------------------
 
     def add(self, key: str, url: str, *, kv_events: str | None = None, kv_events_replay: str | None = None) -> Engine:
-        """Registers (or returns, when already registered the same way) the engine the host calls ``key``."""
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"engine key must be a non-empty string, got {key!r}")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"engine {key!r}: url must be http(s)://host:port, got {url!r}")
-        if kv_events_replay and not kv_events:
-            raise ValueError(f"engine {key!r}: kv_events_replay needs kv_events")
+        """Registers (or returns, when already registered the same way) the engine the host calls ``key``.
+        Its prefix-cache size (unless given as ``prefix_cache_blocks``) and block size are read from
+        its /metrics by the poller (``metrics_interval``) or ``poll_metrics``."""
         if kv_events and self.prompter.mode != "exact":
             raise ValueError(
                 f"engine {key!r}: KV events carry token ids, so they need exact mode (a tokenizer); "
                 "approximate mode learns the cache from its own decisions instead"
             )
-        url = url.rstrip("/")
-        with self._lock:
-            old = self._engines.get(key)
-            if old is not None:
-                if (old.url, old.kv_events, old.kv_events_replay) != (url, kv_events, kv_events_replay):
-                    raise ValueError(f"engine {key!r} is already registered as {old}")
-                return old
-            e = Engine(key, url, self._next_worker, kv_events, kv_events_replay)
-            self._next_worker += 1
-            self.router.add_worker(
-                e.worker,
-                prefill_tokens_per_s=self.prefill_tokens_per_s,
-                decode_tokens_per_s=self.decode_tokens_per_s,
-                prefix_cache_blocks=self.prefix_cache_blocks,
-            )
-            self._engines[key] = e
-            self._by_worker[e.worker] = e
-            if kv_events:
-                self._resubscribe()
-        return e
+        return self.fleet.add(
+            key,
+            url,
+            kv_events=kv_events,
+            kv_events_replay=kv_events_replay,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            prefix_cache_blocks=self.prefix_cache_blocks,
+        )
 
     def remove(self, key: str) -> None:
         """Forgets an engine: its open leases are released (as failed) and its cache state dropped."""
         with self._lock:
-            e = self._engines.pop(key, None)
+            e = self.fleet.remove(key)
             if e is None:
                 return
-            del self._by_worker[e.worker]
             self._failed_at.pop(key, None)
             self.leases.release_worker(e.worker)
-            with contextlib.suppress(UnknownWorkerError):
-                self.router.remove_worker(e.worker)
             self.approx.drop_worker(e.worker)
-            if e.kv_events:
-                self._resubscribe()
 
     def get(self, key: str) -> Engine | None:
-        return self._engines.get(key)
+        return self.fleet.get(key)
 
     def engines(self) -> list[Engine]:
-        with self._lock:
-            return list(self._engines.values())
+        return self.fleet.engines()
 
     def engine_of(self, lease: Lease) -> Engine:
         """The engine a lease was routed to."""
-        return self._by_worker[lease.worker]
+        e = self.fleet.of_worker(lease.worker)
+        if e is None:
+            raise KeyError(f"the engine of worker {lease.worker} was removed")
+        return e
 
     def engine_of_worker(self, worker: int) -> Engine | None:
         """The engine behind a Router worker id (None once removed)."""
-        return self._by_worker.get(worker)
+        return self.fleet.of_worker(worker)
 
     def mark_failed(self, key: str) -> None:
         """A request failed on ``key``: keep new requests off it for ``failure_cooldown`` seconds."""
         with self._lock:
-            e = self._engines.get(key)
+            e = self.fleet.get(key)
             if e is not None:
                 self._failed_at[key] = self.clock()
                 self.approx.drop_worker(e.worker)
@@ -230,18 +201,19 @@ class EngineRouter:
         prompt = self.prompter.prompt(body, chat)
         excluded = set(exclude)
         with self._lock:
-            keys = list(self._engines) if candidates is None else list(candidates)
-            pool = [self._engines[k] for k in keys if k in self._engines and k not in excluded]
+            engines = {e.key: e for e in self.fleet.engines()}
+            keys = list(engines) if candidates is None else list(candidates)
+            pool = [engines[k] for k in keys if k in engines and k not in excluded]
             if not pool:
                 raise NoCandidates(f"no routable engine among {sorted(set(keys))} (excluded: {sorted(excluded)})")
             warm = [e for e in pool if not self.cooling_down(e.key)]
             allowed = {e.worker for e in (warm or pool)}
-            everyone = len(allowed) == len(self._engines)
+            everyone = len(allowed) == len(engines)
         now = self.clock()
         lease = self.leases.open(prompt.hashes, prompt.num_tokens, prompt.output_tokens, None if everyone else allowed, ticket)
         with self._lock:  # the engine table may change under us
             self.approx.expire(now)
-            e = self._by_worker.get(lease.worker)
+            e = self.fleet.of_worker(lease.worker)
             if e is not None and not e.kv_events:
                 self.approx.insert(lease.worker, prompt.hashes, now)
         return lease
@@ -263,10 +235,7 @@ class EngineRouter:
         if self._poller is not None:
             self._poller.join(timeout=5.0)
             self._poller = None
-        with self._lock:
-            if self._subscriber is not None:
-                self._subscriber.stop()
-                self._subscriber = None
+        self.fleet.stop_events()
 
     def __enter__(self) -> EngineRouter:
         return self.start()
@@ -276,84 +245,31 @@ class EngineRouter:
 
     def subscriber_stats(self) -> dict[str, Any] | None:
         """The KV-event subscriber's counters (``None`` before any engine with ``kv_events``)."""
-        sub = self._subscriber
-        return None if sub is None else dict(sub.stats())
-
-    def _resubscribe(self) -> None:
-        """One subscriber for every engine's stream; rebuilt when the set changes. The new one
-        resumes each engine it already followed from the last batch applied (its replay endpoint
-        fills what was published meanwhile) and replays a new engine's buffered history."""
-        from kvroute.events import KvEventSubscriber
-
-        resume: dict[int, int] = {}
-        old, self._subscriber = self._subscriber, None
-        if old is not None:
-            try:
-                old.stop()
-            except (RuntimeError, TimeoutError) as exc:  # its thread failed: re-read every stream
-                log.warning("KV-event subscriber: %s; the new one replays every engine's history", exc)
-            else:
-                for w, st in old.stats()["workers"].items():
-                    if st["last_seq"] is not None:
-                        resume[w] = st["last_seq"]
-        pubs = {e.worker: e.kv_events for e in self._engines.values() if e.kv_events}
-        if not pubs:
-            return
-        replay = {e.worker: e.kv_events_replay for e in self._engines.values() if e.kv_events and e.kv_events_replay}
-        self._subscriber = KvEventSubscriber(
-            self.router.index,
-            pubs,
-            replay_endpoints=replay or None,
-            topic=self.topic,
-            block_size=self.block_size,
-            seed=self.hash_seed,
-            # Only streams that can be replayed resume: without replay, a gap would clear the worker.
-            resume_from={w: seq for w, seq in resume.items() if w in replay},
-        ).start()
+        return self.fleet.subscriber_stats()
 
     def synced(self) -> bool:
         """True when no KV-event subscriber runs or its start-up replay of every engine is done."""
-        sub = self._subscriber
-        return sub is None or sub.synced
+        return self.fleet.synced()
 
     def wait_synced(self, timeout: float = 5.0) -> bool:
         """Blocks (at most ``timeout`` s) until the start-up replay of every engine's KV events is
         done, so the first decisions of a new router see what the engines cached before it started."""
-        sub = self._subscriber
-        if sub is None or sub.synced:
-            return True
-        return bool(sub.wait_for(lambda s: bool(s["synced"]), timeout))
+        return self.fleet.wait_synced(timeout)
 
     async def wait_synced_async(self, timeout: float = 5.0) -> bool:
         """``wait_synced`` for asyncio code."""
-        sub = self._subscriber
-        if sub is None or sub.synced:
-            return True
-        return bool(await sub.wait_for_async(lambda s: bool(s["synced"]), timeout))
+        return await self.fleet.wait_synced_async(timeout)
 
     def poll_metrics(self, engine: Engine, timeout: float = 2.0) -> dict[str, float] | None:
-        """Reads one engine's /metrics once and folds waiting / running / KV usage into ``Router.observe``.
+        """Reads one engine's /metrics once and folds it into the Router (``Fleet.observe``: load
+        into ``Router.observe``, the cache's size and block size learned).
 
         An engine that refuses the connection (nothing listens: it died) is marked failed, so new
         requests avoid it for ``failure_cooldown`` seconds, renewed by every refused poll; a slow or
         otherwise failing poll changes nothing."""
-        try:
-            with urllib.request.urlopen(engine.url + "/metrics", timeout=timeout) as r:
-                text = r.read().decode("utf-8", "replace")
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            log.debug("metrics of %s: %s", engine.url, e)
-            if isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "reason", None), ConnectionRefusedError):
-                self.mark_failed(engine.key)
-            return None
-        seen = parse_engine_metrics(text)
-        if seen:
-            with contextlib.suppress(UnknownWorkerError):
-                self.router.observe(
-                    engine.worker,
-                    waiting=int(seen["waiting"]) if "waiting" in seen else None,
-                    running=int(seen["running"]) if "running" in seen else None,
-                    kv_usage=seen.get("kv_usage"),
-                )
+        seen, refused = self.fleet.poll(engine, timeout)
+        if refused:
+            self.mark_failed(engine.key)
         return seen
 
     def _poll_loop(self) -> None:

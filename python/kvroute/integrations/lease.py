@@ -5,7 +5,7 @@ For hosts that only see "routed" and later "finished" or "failed" (LiteLLM callb
 nobody releases (an abandoned stream fires no callback) expires after ``ttl`` seconds.
 
 >>> import kvroute
->>> from kvroute.lease import LeaseTable
+>>> from kvroute.integrations.lease import LeaseTable
 >>> router = kvroute.Router()
 >>> router.add_worker(0); router.add_worker(1)
 >>> leases = LeaseTable(router, ttl=60.0)
