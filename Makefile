@@ -5,7 +5,7 @@ VENV ?= .venv
 E2E_BED ?= $(abspath .bed)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-CRATES := -p kvroute-core -p kvroute-gateway -p kvroute-aisim
+CRATES := -p kvroute-core -p kvroute-dataplane -p kvroute-aisim
 
 .PHONY: dev build test test-rust test-python test-aisim lint fmt bench bench-peers e2e ci readme-test
 dev:

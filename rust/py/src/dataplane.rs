@@ -1,11 +1,11 @@
-//! `kvroute._core.DataPlane`: the gateway's request path (kvroute-gateway) on a Router object, driven
+//! `kvroute._core.DataPlane`: the gateway's request path (kvroute-dataplane) on a Router object, driven
 //! by the Python control plane (`kvroute.gateway`), plus `approx_prompt` (the plane's approximate prompt).
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use kvroute_core::router::Role;
-use kvroute_gateway::{
+use kvroute_dataplane::{
     approx_prompt as rust_approx_prompt, ApproxPrompt, BadRequest, DataPlane, ExactError, PdConvention, PlaneConfig, PlaneError,
     ROUTING_BUCKETS,
 };
@@ -115,7 +115,7 @@ impl PyDataPlane {
                         e.write_unraisable(py, None);
                     }
                 })
-            }) as kvroute_gateway::UnhealthyHook
+            }) as kvroute_dataplane::UnhealthyHook
         });
         let router = router.get().inner.clone();
         // Loading a tokenizer reads and parses files: without the GIL.
@@ -333,7 +333,7 @@ pub(crate) fn parse(body: &[u8]) -> PyResult<serde_json::Value> {
 }
 
 impl PyDataPlane {
-    fn approx(&self) -> PyResult<&kvroute_gateway::ApproxCache> {
+    fn approx(&self) -> PyResult<&kvroute_dataplane::ApproxCache> {
         self.inner.approx().ok_or_else(|| PyRuntimeError::new_err("this data plane has no approximate cache (approx_ttl=None)"))
     }
 }

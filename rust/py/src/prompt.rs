@@ -1,5 +1,5 @@
 //! `kvroute._core.ExactPrompter`: exact mode's prompter (the engines' tokenizer.json and chat
-//! template, kvroute-gateway's `ExactPrompter`) for `kvroute.prompt`, so the gateway and the
+//! template, kvroute-dataplane's `ExactPrompter`) for `kvroute.prompt`, so the gateway and the
 //! integrations derive a request's hashes with one implementation.
 
 use std::path::PathBuf;
@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_gateway::{ApproxCache, ExactError, ExactPrompter};
+use kvroute_dataplane::{ApproxCache, ExactError, ExactPrompter};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
@@ -89,7 +89,7 @@ impl PyExactPrompter {
 
 /// The router's own decisions as cache state, for when no KV events arrive: each routed prompt's
 /// blocks are stored in `index` for its worker and removed `ttl` seconds after their last use.
-/// The data plane's own implementation (`rust/gateway/src/approx.rs`), thread-safe.
+/// The data plane's own implementation (`rust/dataplane/src/approx.rs`), thread-safe.
 ///
 /// >>> idx = KvIndex(); c = ApproxCache(idx, ttl=10.0)
 /// >>> c.insert(0, [1, 2], now=0.0); c.expire(10.0), idx.num_blocks(0)

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvroute_gateway::{PdConvention, PlaneConfig};
+use kvroute_dataplane::{PdConvention, PlaneConfig};
 
 /// Each request's head and body, as a fake engine received them.
 pub type Seen = Arc<Mutex<Vec<(String, Vec<u8>)>>>;

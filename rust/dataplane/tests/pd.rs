@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig, Tier, DEFAULT_SEED};
-use kvroute_gateway::{approx_prompt, DataPlane, PdConvention, PlaneConfig};
+use kvroute_dataplane::{approx_prompt, DataPlane, PdConvention, PlaneConfig};
 use serde_json::{json, Value};
 
 mod common;

@@ -14,7 +14,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use kvroute_core::router::{Role, WorkerSpec};
 use kvroute_core::{Router, RouterConfig};
-use kvroute_gateway::{DataPlane, PdConvention};
+use kvroute_dataplane::{DataPlane, PdConvention};
 use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 mod common;
