@@ -261,7 +261,8 @@ fn an_event_stream_cut_short_is_an_error_never_a_quiet_end() {
     let addr = dp.start(common::loopback(), None).unwrap();
     let send = |what: &str| {
         let body = format!(r#"{{"prompt": "{}", "stream": true}}"#, format!("{what} ").repeat(200));
-        let hashes = kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+        let hashes =
+            kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
         router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
         request(addr, "POST /v1/completions HTTP/1.1", &body)
     };

@@ -1,0 +1,104 @@
+//! The learned TTFT model against an engine the router does not know.
+
+use super::*;
+
+/// A FIFO engine the router does not know: it prefills at `speed` tokens/s after `overhead` s per
+/// request. Requests arrive every `gap` s with seeded lengths; the router hears `prefill_done`
+/// at each true finish time, in time order with the arrivals.
+fn drive_unknown_engine(model: TtftModel, speed: f64, overhead: f64, gap: f64, n: u64) -> Vec<(f64, f64)> {
+    let cfg = router_config!(policy: "ttft", ttft_model: model, block_size: 32);
+    let r = Router::new(cfg, None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap(); // registered at 20000 tokens/s
+    let mut rng = crate::random::SplitMix64::new(7);
+    let (mut busy, mut pending): (f64, Vec<(f64, u64)>) = (0.0, Vec::new());
+    let mut out = Vec::new();
+    for id in 0..n {
+        let now = id as f64 * gap;
+        pending.sort_by(|a, b| a.0.total_cmp(&b.0));
+        while pending.first().is_some_and(|p| p.0 <= now) {
+            let (t, rid) = pending.remove(0);
+            r.prefill_done(rid, Some(t)).unwrap();
+        }
+        let toks = prompt(id as u32 + 1000, 64 + rng.below(1500) as usize);
+        let d = r.route(&RouteRequest { tokens: Some(&toks), now: Some(now), request_id: Some(id), ..Default::default() }).unwrap();
+        busy = busy.max(now) + overhead + toks.len() as f64 / speed;
+        pending.push((busy, id));
+        out.push((d.predicted_ttft, busy - now));
+    }
+    out
+}
+
+#[test]
+fn learned_ttft_model_finds_an_engines_speed_and_overhead() {
+    // 2000 tokens/s (10x slower than registered) and 30 ms per request, loaded ~50% (mean ~780
+    // tokens = 0.42 s every 0.8 s): queues form and drain, and the fit sees each prefill's work.
+    let learned = drive_unknown_engine(TtftModel::Learned, 2000.0, 0.03, 0.8, 400);
+    let configured = drive_unknown_engine(TtftModel::Configured, 2000.0, 0.03, 0.8, 400);
+    let err = |v: &[(f64, f64)]| v[200..].iter().map(|(p, m)| (p - m).abs()).sum::<f64>() / 200.0;
+    let mean = configured[200..].iter().map(|x| x.1).sum::<f64>() / 200.0;
+    // Configured: 20000 tokens/s predicts a tenth of the prefill time (the queue it corrects by
+    // prefill_done's feedback, but not the work of the request itself).
+    assert!(err(&configured) > 0.25 * mean, "configured error {} vs mean TTFT {mean}", err(&configured));
+    // Learned: the FIFO engine's exact service time, so the virtual queue is exact too.
+    assert!(err(&learned) < 1e-6, "learned error {} vs mean TTFT {mean}", err(&learned));
+    assert_eq!(RouterConfig::default().ttft_model, TtftModel::Configured);
+    let r = Router::new(router_config!(ttft_model: TtftModel::Learned), None).unwrap();
+    r.add_worker(0, WorkerSpec::default()).unwrap();
+    assert!(r.load(0).unwrap().prefill_fit.fitted.is_none(), "no samples, no fit");
+}
+
+#[test]
+fn prefill_fit_waits_for_samples_and_keeps_a_sane_shape() {
+    let mut f = PrefillFit::default();
+    for _ in 0..PrefillFit::MIN_SAMPLES - 1 {
+        f.add(1000.0, 0.5, 1e-4);
+    }
+    assert!(f.fitted.is_none());
+    // Every x equal: no slope to see; the configured slope stays, the rest is overhead.
+    f.add(1000.0, 0.5, 1e-4);
+    let (a, b) = f.fitted.unwrap();
+    assert_eq!(b, 1e-4);
+    assert!((a - 0.4).abs() < 1e-9, "{a}");
+    // Exact line y = 0.02 + x / 5000 over spread x: recovered.
+    let mut g = PrefillFit::default();
+    for i in 0..100 {
+        let x = (i * 37 % 2000) as f64;
+        g.add(x, 0.02 + x / 5000.0, 1e-4);
+    }
+    let (a, b) = g.fitted.unwrap();
+    assert!((a - 0.02).abs() < 1e-9 && (b - 2e-4).abs() < 1e-12, "{a} {b}");
+    // Pure noise around a constant (no dependence on x): no evidence of a slope, so the
+    // configured one stays, and the overhead takes what it leaves of the mean (none when the
+    // configured slope already predicts more than measured).
+    let noise = |prior: f64| {
+        let mut n = PrefillFit::default();
+        let mut rng = crate::random::SplitMix64::new(11);
+        for i in 0..200 {
+            n.add((i * 37 % 2000) as f64, 0.003 + 0.002 * rng.next_f64(), prior);
+        }
+        n.fitted.unwrap()
+    };
+    assert_eq!(noise(1e-4), (0.0, 1e-4));
+    let (a, b) = noise(1e-7);
+    assert!(b == 1e-7 && a > 0.003 && a < 0.005, "{a} {b}");
+    // A weak positive slope under heavy noise is not evidence either.
+    let mut weak = PrefillFit::default();
+    let mut rng = crate::random::SplitMix64::new(5);
+    for i in 0..200 {
+        let x = (i * 37 % 2000) as f64;
+        weak.add(x, 0.01 + 1e-8 * x + 0.02 * rng.next_f64(), 1e-6);
+    }
+    assert_eq!(weak.fitted.unwrap().1, 1e-6);
+    // Garbage samples are ignored, never a NaN in the model.
+    g.add(f64::NAN, 1.0, 1e-4);
+    g.add(10.0, -1.0, 1e-4);
+    assert_eq!(g.samples(), 100);
+    // A slope that would need a negative overhead goes through the origin instead.
+    let mut h = PrefillFit::default();
+    for i in 0..50 {
+        let x = 1000.0 + (i % 10) as f64 * 100.0;
+        h.add(x, (x - 900.0) / 1000.0, 1e-6);
+    }
+    let (a, b) = h.fitted.unwrap();
+    assert!(a >= 0.0 && b > 0.0, "{a} {b}");
+}
