@@ -137,7 +137,8 @@ class KvrouteSettings:
     prefill_tokens_per_s: float
     policy: str | None
     decode: dict[str, float]
-    prefix_cache_blocks: int
+    #: None: not given, so EngineRouter's fleet reads it from the engines' /metrics (``--cache-size learned``).
+    prefix_cache_blocks: int | None
     #: ``token_share_bound`` for EngineRouter; ``...``: its default.
     token_share_bound: float | EllipsisType | None = ...
 
@@ -154,7 +155,7 @@ class KvrouteSettings:
             "block_size": BLOCK_SIZE,
             "metrics_interval": 0.5,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "prefix_cache_blocks": self.prefix_cache_blocks,
+            **({} if self.prefix_cache_blocks is None else {"prefix_cache_blocks": self.prefix_cache_blocks}),
             **self.decode,
             **({"policy": self.policy} if self.policy else {}),
             **({} if self.token_share_bound is ... else {"token_share_bound": self.token_share_bound}),
@@ -165,7 +166,7 @@ class KvrouteSettings:
         return {
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s),
             "kvroute_policy": self.policy or default_policy(),
-            "prefix_cache_blocks": self.prefix_cache_blocks,
+            "prefix_cache_blocks": self.prefix_cache_blocks if self.prefix_cache_blocks is not None else "learned",
             "decode_model": self.decode or None,
             "token_share_bound": DEFAULT_TOKEN_SHARE_BOUND if self.token_share_bound is ... else self.token_share_bound,
         }
@@ -434,6 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--litellm-policies", default="kvroute,simple-shuffle,least-busy")
     ap.add_argument("--ray-policies", default=",".join(RAY_POLICIES))
     ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens per engine (default 192)")
+    ap.add_argument(
+        "--cache-size",
+        choices=("given", "learned"),
+        default="given",
+        help="kvroute's prefix-cache size: given (--num-blocks - 1, as before) or learned from the engines' /metrics "
+        "(what a user who sets only the documented options gets)",
+    )
     ap.add_argument("--systems", type=int, default=6)
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
@@ -476,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             decode = decode_model(*calibrate_decode(engines[0], words))
         print(f"kvroute decode model = {decode}", file=sys.stderr, flush=True)
         # vLLM keeps one of its blocks as the null block: the prefix cache holds the rest.
-        kv = KvrouteSettings(str(bed.model), prefill, a.kvroute_policy, decode, a.num_blocks - 1)
+        kv = KvrouteSettings(str(bed.model), prefill, a.kvroute_policy, decode, a.num_blocks - 1 if a.cache_size == "given" else None)
         if "litellm" in wanted:
             rows += run_litellm(engines, convs, a.clients, a.litellm_policies.split(","), kv, a.diag)
         if "ray" in wanted:
