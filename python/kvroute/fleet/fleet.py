@@ -27,11 +27,18 @@ from typing import Any, Literal, cast
 from kvroute._core import Router, UnknownWorkerError
 from kvroute.fleet.engine_metrics import CacheConfig, parse_cache_config, parse_engine_metrics
 
-__all__ = ["Engine", "Fleet"]
+__all__ = ["Engine", "Fleet", "check_prefix_cache_blocks"]
 
 log = logging.getLogger("kvroute.fleet")
 
 Role = Literal["both", "prefill", "decode"]
+
+
+def check_prefix_cache_blocks(blocks: object) -> int | None:
+    """``blocks`` if it is a prefix-cache size (an int >= 0, in KV blocks) or None, else ValueError."""
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
+        raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {blocks!r}")
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -83,9 +90,7 @@ class Fleet:
             raise ValueError(f"engine {key!r}: url must be http(s)://host:port, got {url!r}")
         if spec.get("kv_events_replay") and not spec.get("kv_events"):
             raise ValueError(f"engine {key!r}: kv_events_replay needs kv_events")
-        pcb = spec.get("prefix_cache_blocks")
-        if pcb is not None and (isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0):
-            raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {pcb!r}")
+        check_prefix_cache_blocks(spec.get("prefix_cache_blocks"))
         with self._lock:
             e = Engine(key, url.rstrip("/"), self._next_worker, **spec)
             old = self._engines.get(key)

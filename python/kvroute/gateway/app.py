@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from kvroute._core import DataPlane, KvrouteError, Router
-from kvroute.fleet import Engine, Fleet
+from kvroute.fleet import Engine, Fleet, check_prefix_cache_blocks
 
 __all__ = ["Gateway", "GatewayConfig", "WorkerConfig", "make_gateway", "run", "serve"]
 
@@ -53,9 +53,7 @@ class WorkerConfig:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
         if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be a TCP port (1..65535), got {self.bootstrap_port}")
-        pcb = self.prefix_cache_blocks
-        if pcb is not None and (isinstance(pcb, bool) or not isinstance(pcb, int) or pcb < 0):
-            raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {pcb!r}")
+        check_prefix_cache_blocks(self.prefix_cache_blocks)
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 

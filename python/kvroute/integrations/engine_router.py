@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from kvroute._core import NoWorkersError, Router, router_parameters
-from kvroute.fleet import Engine, Fleet
+from kvroute.fleet import Engine, Fleet, check_prefix_cache_blocks
 from kvroute.integrations.lease import Lease, LeaseTable
 from kvroute.prompt import ApproxCache, Prompter, load_prompter
 
@@ -98,11 +98,7 @@ class EngineRouter:
         self.topic = topic
         if decode_tokens_per_s is not None and not decode_tokens_per_s > 0:
             raise ValueError(f"decode_tokens_per_s must be > 0 or None, got {decode_tokens_per_s}")
-        if prefix_cache_blocks is not None and (
-            isinstance(prefix_cache_blocks, bool) or not isinstance(prefix_cache_blocks, int) or prefix_cache_blocks < 0
-        ):
-            raise ValueError(f"prefix_cache_blocks must be an int >= 0 (KV blocks) or None, got {prefix_cache_blocks!r}")
-        self.prefix_cache_blocks = prefix_cache_blocks
+        self.prefix_cache_blocks = check_prefix_cache_blocks(prefix_cache_blocks)
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_tokens_per_s = decode_tokens_per_s
         self.metrics_interval = metrics_interval
