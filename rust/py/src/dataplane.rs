@@ -36,10 +36,9 @@ fn addr(host: &str, port: u16, what: &str) -> PyResult<SocketAddr> {
 }
 
 fn seconds(v: f64, what: &str) -> PyResult<Duration> {
-    if v.is_finite() && v > 0.0 {
-        Ok(Duration::from_secs_f64(v))
-    } else {
-        Err(PyValueError::new_err(format!("{what} must be a finite number of seconds > 0, got {v}")))
+    match Duration::try_from_secs_f64(v) {
+        Ok(d) if v > 0.0 => Ok(d),
+        _ => Err(PyValueError::new_err(format!("{what} must be a finite number of seconds > 0 (and < 2**64), got {v}"))),
     }
 }
 

@@ -27,6 +27,11 @@ pub(crate) struct WorkerAliases {
 }
 
 impl WorkerAliases {
+    pub(crate) fn clear(&mut self) {
+        self.blocks.clear();
+        self.held.clear();
+    }
+
     /// Drops one `tier` reference to `seq`; returns true when the sequence hash's last holder on
     /// that tier went (so the index entry must go too).
     pub(crate) fn release(held: &mut HashMap<u64, [u32; 3]>, seq: u64, tier: usize) -> bool {
@@ -57,8 +62,11 @@ impl BlockAliases {
     }
 
     /// Forgets `worker`'s map (its cache is gone).
-    pub(crate) fn forget(&self, worker: WorkerId) {
-        self.workers.write().remove(&worker);
+    /// `worker`'s aliases if it has any. Whoever drops the worker's blocks holds their lock while it
+    /// does (see `KvIndex::clear`), as a batch does while it applies: a batch that raced a clear either
+    /// ran before it (and is cleared) or after it (and its blocks are aliased).
+    pub(crate) fn existing(&self, worker: WorkerId) -> Option<Arc<Mutex<WorkerAliases>>> {
+        self.workers.read().get(&worker).cloned()
     }
 
     /// Aliases held for `worker`.

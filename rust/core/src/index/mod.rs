@@ -442,7 +442,11 @@ impl KvIndex {
 
     /// The worker dropped its whole cache. Returns the entries removed (0 for an unknown worker).
     pub fn clear(&self, worker: WorkerId) -> usize {
-        self.aliases.forget(worker);
+        let aliases = self.aliases.existing(worker);
+        let mut held = aliases.as_ref().map(|a| a.lock());
+        if let Some(a) = held.as_mut() {
+            a.clear();
+        }
         self.clear_blocks(worker)
     }
 
@@ -467,7 +471,13 @@ impl KvIndex {
 
     /// Forgets a worker entirely. Returns the entries removed (0 for an unknown worker).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        self.aliases.forget(worker);
+        // The aliases go with the blocks, under their lock (see `clear`); the emptied map stays for
+        // the worker's next batch, so one that waited on it keeps its blocks removable.
+        let aliases = self.aliases.existing(worker);
+        let mut held = aliases.as_ref().map(|a| a.lock());
+        if let Some(a) = held.as_mut() {
+            a.clear();
+        }
         if self.removals.on() {
             self.removals.record(std::iter::once(Removal::Worker(worker)));
         }
