@@ -202,6 +202,10 @@ def test_bad_data_plane_configuration_is_refused() -> None:
         DataPlane(router, threads=0)
     with pytest.raises(ValueError, match="read_timeout"):
         DataPlane(router, read_timeout=0.0)
+    with pytest.raises(
+        ValueError, match=r"approx_ttl must be a finite number of seconds > 0 \(and < 2\*\*64\), got 1000000000000000000000000000000"
+    ):
+        DataPlane(router, approx_ttl=1e30)  # once a panic in Duration::from_secs_f64
     with pytest.raises(ValueError, match="max_body_bytes"):
         DataPlane(router, max_body_bytes=0)
     with pytest.raises(ValueError, match="pd_convention must be 'vllm' or 'sglang', got \"nixl\""):
