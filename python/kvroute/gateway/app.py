@@ -135,9 +135,6 @@ class Gateway:
     def __init__(self, router: Router, workers: Iterable[WorkerConfig], config: GatewayConfig | None = None) -> None:
         self.router = router
         self.config = cfg = config or GatewayConfig()
-        rc = router.config
-        self.block_size = cast(int, rc["block_size"])
-        self.hash_seed = cast(int, rc["hash_seed"])
         # Without KV events the router learns cache state from its own decisions (approximate mode).
         insert = cfg.insert_decisions if cfg.insert_decisions is not None else not cfg.kv_events
         self.plane = DataPlane(

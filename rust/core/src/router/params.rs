@@ -450,18 +450,18 @@ pub fn build<'a>(preset: Preset, params: impl IntoIterator<Item = (&'a str, Valu
         let p = param(name).ok_or_else(|| {
             RouterError::InvalidConfig(format!("unknown parameter {name:?}; expected one of {}", names().collect::<Vec<_>>().join(", ")))
         })?;
-        if rest.iter().any(|(n, _): &(&str, Value)| *n == name) {
+        if rest.iter().any(|(q, _): &(&Param, Value)| q.name == name) {
             return Err(RouterError::InvalidConfig(format!("{name} given twice")));
         }
-        rest.push((p.name, v));
+        rest.push((p, v));
     }
     // The policy first: its parameters are set on it.
-    if let Some(i) = rest.iter().position(|(n, _)| *n == "policy") {
-        let (n, v) = rest.remove(i);
-        param(n).expect("in the table").set(&mut cfg, v)?;
+    if let Some(i) = rest.iter().position(|(p, _)| p.name == "policy") {
+        let (p, v) = rest.remove(i);
+        p.set(&mut cfg, v)?;
     }
-    for (n, v) in rest {
-        param(n).expect("in the table").set(&mut cfg, v)?;
+    for (p, v) in rest {
+        p.set(&mut cfg, v)?;
     }
     cfg.validate()?;
     Ok(cfg)
