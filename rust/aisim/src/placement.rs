@@ -141,6 +141,8 @@ impl Shared {
                         parent: s.parent_hash,
                         tokens: t0..b.tokens.len(),
                         tier,
+                        root: None,
+                        mixes: 0..0,
                     });
                 }
                 KvEventData::Removed { block_hashes } => {

@@ -58,6 +58,73 @@ pub fn extend_sequence_hashes(out: &mut Vec<u64>, tokens: &[u32], block_size: us
     }
 }
 
+/// Key of the identity digests (`identity_root`, `extra_digest`): a fixed value, so the event side
+/// and the request side agree whatever the router's hash seed.
+const IDENTITY_KEY: u64 = 0x6b76_726f_7574_6549;
+
+/// The root a request's chain hangs from when the engine mixes more than tokens into its block keys:
+/// the LoRA adapter serving it and its `cache_salt` (vLLM's `("lora", name, ..)` and
+/// `("cache_salt", salt)` extra keys). `None` for the base model without a salt, whose chain starts
+/// at block 0 as before, so the common case hashes exactly as it always did. An empty salt is no
+/// salt (vLLM tests the salt's truth). Block 0's sequence hash is `chain_hash(root, local0, seed)`:
+/// the root seeds the chain but is never stored or matched itself.
+pub fn identity_root(lora: Option<&[u8]>, cache_salt: Option<&[u8]>) -> Option<u64> {
+    let salt = cache_salt.filter(|s| !s.is_empty());
+    if lora.is_none() && salt.is_none() {
+        return None;
+    }
+    let mut buf = Vec::with_capacity(32 + lora.map_or(0, <[u8]>::len) + salt.map_or(0, <[u8]>::len));
+    for (tag, v) in [(b"lora", lora), (b"salt", salt)] {
+        if let Some(v) = v {
+            buf.extend_from_slice(tag);
+            buf.extend_from_slice(&(v.len() as u64).to_le_bytes());
+            buf.extend_from_slice(v);
+        }
+    }
+    Some(xxh3_64_with_seed(&buf, IDENTITY_KEY))
+}
+
+/// Digest of a block's keys that are not the request's identity (multimodal `(identifier, offset)`
+/// pairs, prompt-embedding digests), from their encoded bytes. Mixed into that block's local hash
+/// (`extend_sequence_hashes_mixed`); a request never reproduces it, so its match stops before the
+/// first such block.
+pub fn extra_digest(encoded: &[u8]) -> u64 {
+    xxh3_64_with_seed(encoded, IDENTITY_KEY ^ 0x6d6d)
+}
+
+/// `extend_sequence_hashes` where the blocks named in `mixes` (`(block index within tokens, digest)`,
+/// ascending) carry extra keys: such a block's local hash is `chain_hash(local, digest, seed)`.
+pub fn extend_sequence_hashes_mixed(
+    out: &mut Vec<u64>,
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    parent: Option<u64>,
+    mixes: &[(u32, u64)],
+) {
+    assert!(block_size > 0, "block_size must be >= 1");
+    let mut prev = parent;
+    let mut next = mixes.iter().peekable();
+    for (j, block) in tokens.chunks_exact(block_size).enumerate() {
+        let mut local = local_block_hash(block, seed);
+        while let Some(&&(at, digest)) = next.peek() {
+            if at as usize > j {
+                break;
+            }
+            if at as usize == j {
+                local = chain_hash(local, digest, seed);
+            }
+            next.next();
+        }
+        let seq = match prev {
+            None => local,
+            Some(p) => chain_hash(p, local, seed),
+        };
+        out.push(seq);
+        prev = Some(seq);
+    }
+}
+
 /// Chains already-computed local hashes into sequence hashes.
 pub fn chain_local_hashes(locals: &[u64], seed: u64, parent: Option<u64>) -> Vec<u64> {
     let mut prev = parent;
@@ -110,5 +177,35 @@ mod tests {
         assert_eq!(tail, full[2..].to_vec());
         let locals = local_block_hashes(&toks, 16, DEFAULT_SEED);
         assert_eq!(chain_local_hashes(&locals, DEFAULT_SEED, None), full);
+    }
+    #[test]
+    fn identity_root_is_none_for_the_base_model_and_separates_adapters_and_salts() {
+        assert_eq!(identity_root(None, None), None);
+        assert_eq!(identity_root(None, Some(b"")), None);
+        let a = identity_root(Some(b"a"), None).unwrap();
+        let b = identity_root(Some(b"b"), None).unwrap();
+        let s = identity_root(None, Some(b"a")).unwrap();
+        let as_ = identity_root(Some(b"a"), Some(b"s")).unwrap();
+        let ab = identity_root(Some(b"as"), None).unwrap();
+        assert_eq!(std::collections::HashSet::from([a, b, s, as_, ab]).len(), 5);
+        assert_eq!(identity_root(Some(b"a"), Some(b"")), Some(a));
+        // The root seeds block 0's chain: the same tokens hash apart, later blocks too.
+        let toks = iota(64);
+        let base = sequence_hashes(&toks, 16, DEFAULT_SEED, None);
+        let lora = sequence_hashes(&toks, 16, DEFAULT_SEED, Some(a));
+        assert!(base.iter().zip(&lora).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn mixed_blocks_change_from_their_block_on() {
+        let toks = iota(64);
+        let plain = sequence_hashes(&toks, 16, DEFAULT_SEED, None);
+        let mut out = Vec::new();
+        extend_sequence_hashes_mixed(&mut out, &toks, 16, DEFAULT_SEED, None, &[]);
+        assert_eq!(out, plain);
+        out.clear();
+        extend_sequence_hashes_mixed(&mut out, &toks, 16, DEFAULT_SEED, None, &[(2, extra_digest(b"img"))]);
+        assert_eq!(out[..2], plain[..2]);
+        assert!(out[2..].iter().zip(&plain[2..]).all(|(x, y)| x != y));
     }
 }

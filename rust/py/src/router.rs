@@ -204,8 +204,10 @@ impl PyRouter {
     }
 
     /// Routes one request: `tokens` (list or 1-D integer array), or precomputed sequence `hashes`
-    /// with `num_tokens`. `worker` pins the request to that worker. Rejections leave state untouched.
-    #[pyo3(signature = (tokens = None, *, hashes = None, num_tokens = None, now = None, request_id = None, output_tokens = None, explain = false, worker = None))]
+    /// with `num_tokens`. `worker` pins the request to that worker. `identity` (`identity_root`)
+    /// keys `tokens` under a LoRA adapter or cache salt; `workers` restricts the choice to those
+    /// workers (the pool serving the request's model). Rejections leave state untouched.
+    #[pyo3(signature = (tokens = None, *, hashes = None, num_tokens = None, now = None, request_id = None, output_tokens = None, explain = false, worker = None, identity = None, workers = None))]
     #[allow(clippy::too_many_arguments)]
     fn route(
         &self,
@@ -218,6 +220,8 @@ impl PyRouter {
         output_tokens: Option<i64>,
         explain: bool,
         worker: Option<&Bound<'_, PyAny>>,
+        identity: Option<&Bound<'_, PyAny>>,
+        workers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecision> {
         let now = check_time(now, "now")?;
         let num_tokens = match num_tokens {
@@ -232,6 +236,11 @@ impl PyRouter {
         let pin = worker.map(|w| extract_u64(w, "worker")).transpose()?;
         let toks = tokens.map(extract_tokens).transpose()?;
         let hs = hashes.map(extract_hashes).transpose()?;
+        let identity = identity.map(|i| extract_u64(i, "identity")).transpose()?;
+        let pool = workers
+            .map(|ws| extract_hashes(ws))
+            .transpose()
+            .map_err(|_| PyValueError::new_err("workers must be a sequence of worker ids (ints >= 0)"))?;
         let req = RouteRequest {
             tokens: toks.as_ref().map(|t| t.as_slice()),
             hashes: hs.as_ref().map(|h| h.as_slice()),
@@ -241,6 +250,8 @@ impl PyRouter {
             output_tokens,
             explain,
             pin,
+            identity,
+            workers: pool.as_ref().map(|w| w.as_slice()),
         };
         let router = &self.inner;
         let d = py.detach(|| router.route(&req)).map_err(to_py)?;

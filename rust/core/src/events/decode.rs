@@ -15,6 +15,11 @@ pub enum DecodedEvent {
         parent: Option<u64>,
         tokens: Range<usize>,
         tier: Tier,
+        /// The identity the engine mixed into the chain (`crate::hash::identity_root`: LoRA name,
+        /// cache salt); used only where the chain starts (`parent` None).
+        root: Option<u64>,
+        /// Blocks carrying other extra keys (multimodal, prompt embeddings): `batch.mixes[mixes]`.
+        mixes: Range<usize>,
     },
     Removed {
         hashes: Range<usize>,
@@ -36,6 +41,8 @@ pub struct DecodedBatch {
     pub hashes: Vec<u64>,
     /// Token ids of every `Stored` event, concatenated.
     pub tokens: Vec<u32>,
+    /// `(block index within its event, digest)` of blocks with extra keys, per event ascending.
+    pub mixes: Vec<(u32, u64)>,
 }
 
 impl DecodedBatch {
@@ -45,6 +52,7 @@ impl DecodedBatch {
         self.events.clear();
         self.hashes.clear();
         self.tokens.clear();
+        self.mixes.clear();
     }
 }
 
@@ -198,13 +206,81 @@ fn kind_of(tag: &[u8], i: usize) -> Result<Kind, EventError> {
 
 /// Raw fields of one event, gathered in any order.
 #[derive(Default)]
-struct Fields {
+struct Fields<'p> {
     hashes: Option<Range<usize>>,
     parent: Option<Option<u64>>,
     tokens: Option<Range<usize>>,
     block_size: Option<u64>,
     tier: Option<Tier>,
     group: Option<u64>,
+    lora_id: Option<u64>,
+    lora_name: Option<&'p [u8]>,
+    extra: Option<ExtraKeys<'p>>,
+}
+
+/// A `BlockStored`'s `extra_keys`, as vLLM publishes them: one entry per block (nil or an array)
+/// holding, untagged and in order, the LoRA name (when `lora_name` is set), `(mm_identifier,
+/// offset)` pairs, the cache salt (the request's first block only) and prompt-embedding digests.
+#[derive(Default)]
+struct ExtraKeys<'p> {
+    /// Entries (blocks) in the list.
+    blocks: usize,
+    /// The first block's leading strings (a LoRA name, a salt), in order.
+    first_strs: Vec<&'p [u8]>,
+    /// `(block, digest)` of every block's keys that are not strings (multimodal pairs, digests).
+    mixes: Vec<(u32, u64)>,
+    /// Strings past block 0 (a salt only ever keys block 0; a LoRA name repeats in every block).
+    later_strs: Vec<(u32, &'p [u8])>,
+}
+
+fn read_extra_keys<'p>(r: &mut Reader<'p>, i: usize) -> Result<Option<ExtraKeys<'p>>, EventError> {
+    let at = Path::Event(i, "extra_keys");
+    let p = r.pos;
+    if r.nil().map_err(|e| raw(e, at, p))? {
+        return Ok(None);
+    }
+    let n = r.array_len().map_err(|e| raw(e, at, p))?;
+    let mut x = ExtraKeys { blocks: n, ..Default::default() };
+    for j in 0..n {
+        let at = Path::Item(i, "extra_keys", j);
+        let p = r.pos;
+        if r.nil().map_err(|e| raw(e, at, p))? {
+            continue;
+        }
+        let m = r.peek().map_err(|e| raw(e, at, p))?;
+        if !((0x90..=0x9f).contains(&m) || m == 0xdc || m == 0xdd) {
+            // Not a shape vLLM publishes (a future tagged form?): the entry keys its block, so the
+            // block is never credited to a request that does not carry it.
+            r.skip().map_err(|e| raw(e, at, p))?;
+            x.mixes.push((j as u32, crate::hash::extra_digest(r.since(p))));
+            continue;
+        }
+        let k = r.array_len().map_err(|e| raw(e, at, p))?;
+        let mut others: Option<usize> = None;
+        let block_start = r.pos;
+        for _ in 0..k {
+            let p = r.pos;
+            let m = r.peek().map_err(|e| raw(e, at, p))?;
+            let is_str = (0xa0..=0xbf).contains(&m) || (0xd9..=0xdb).contains(&m);
+            if is_str {
+                let s = r.str().map_err(|e| raw(e, at, p))?;
+                if j == 0 {
+                    x.first_strs.push(s);
+                } else {
+                    x.later_strs.push((j as u32, s));
+                }
+            } else {
+                others.get_or_insert(p);
+                r.skip().map_err(|e| raw(e, at, p))?;
+            }
+        }
+        if others.is_some() {
+            // The block's whole entry (strings included) keys it: what matters is that it differs
+            // from a plain block's and from any other media's.
+            x.mixes.push((j as u32, crate::hash::extra_digest(r.since(block_start))));
+        }
+    }
+    Ok(Some(x))
 }
 
 fn read_hash(r: &mut Reader<'_>, at: Path) -> Result<u64, EventError> {
@@ -282,6 +358,14 @@ fn read_opt_uint(r: &mut Reader<'_>, at: Path) -> Result<Option<u64>, EventError
     }
 }
 
+fn read_opt_str<'p>(r: &mut Reader<'p>, at: Path) -> Result<Option<&'p [u8]>, EventError> {
+    let p = r.pos;
+    if r.nil().map_err(|e| raw(e, at, p))? {
+        return Ok(None);
+    }
+    r.str().map(Some).map_err(|e| raw(e, at, p))
+}
+
 fn read_medium(r: &mut Reader<'_>, i: usize) -> Result<Tier, EventError> {
     let at = Path::Event(i, "medium");
     let p = r.pos;
@@ -315,7 +399,7 @@ fn read_parent(r: &mut Reader<'_>, i: usize) -> Result<Option<u64>, EventError> 
     read_hash(r, at).map(Some)
 }
 
-fn finish(i: usize, kind: Kind, f: Fields, block_size: usize) -> Result<DecodedEvent, EventError> {
+fn finish(i: usize, kind: Kind, f: Fields<'_>, block_size: usize, out: &mut DecodedBatch) -> Result<DecodedEvent, EventError> {
     if f.group.is_some_and(|g| g != 0) {
         return Ok(DecodedEvent::Skipped);
     }
@@ -328,8 +412,8 @@ fn finish(i: usize, kind: Kind, f: Fields, block_size: usize) -> Result<DecodedE
         }
         Kind::Stored => {
             let missing = |field| EventError::MissingField { at: Path::Event(i, "").render(), field };
-            let hashes = f.hashes.ok_or(missing("block_hashes"))?;
-            let tokens = f.tokens.ok_or(missing("token_ids"))?;
+            let hashes = f.hashes.clone().ok_or(missing("block_hashes"))?;
+            let tokens = f.tokens.clone().ok_or(missing("token_ids"))?;
             let bs = f.block_size.ok_or(missing("block_size"))?;
             if bs == 0 {
                 return Err(EventError::OutOfRange { at: Path::Event(i, "block_size").render(), what: "a block size >= 1" });
@@ -344,9 +428,53 @@ fn finish(i: usize, kind: Kind, f: Fields, block_size: usize) -> Result<DecodedE
                 // be keyed in a tree of `block_size` blocks: skipped and counted.
                 return Ok(DecodedEvent::Skipped);
             }
-            Ok(DecodedEvent::Stored { hashes, parent: f.parent.flatten(), tokens, tier })
+            let (root, mixes) = identity(i, &f, blocks, out)?;
+            Ok(DecodedEvent::Stored { hashes, parent: f.parent.flatten(), tokens, tier, root, mixes })
         }
     }
+}
+
+/// A `BlockStored`'s identity root and its mixed blocks (appended to `out.mixes`). The LoRA name
+/// comes from `lora_name` (an engine naming only the deprecated `lora_id` gets a root no request
+/// reproduces, so its blocks are never credited to another adapter or the base model); the salt is
+/// the first block's string after the LoRA name.
+fn identity(i: usize, f: &Fields<'_>, blocks: usize, out: &mut DecodedBatch) -> Result<(Option<u64>, Range<usize>), EventError> {
+    let start = out.mixes.len();
+    let lora_id_name;
+    let lora = match (f.lora_name, f.lora_id) {
+        (Some(name), _) => Some(name),
+        (None, Some(id)) => {
+            lora_id_name = format!("\0lora_id:{id}");
+            Some(lora_id_name.as_bytes())
+        }
+        (None, None) => None,
+    };
+    let Some(x) = &f.extra else {
+        return Ok((crate::hash::identity_root(lora, None), start..start));
+    };
+    if x.blocks > blocks {
+        return Err(EventError::OutOfRange { at: Path::Event(i, "extra_keys").render(), what: "at most one entry per block" });
+    }
+    let mut strs = x.first_strs.as_slice();
+    if let (Some(name), Some((first, rest))) = (f.lora_name, strs.split_first()) {
+        if *first == name {
+            strs = rest;
+        }
+    }
+    // A second string on block 0, or a string on a later block that is not the LoRA name, is not
+    // a shape vLLM publishes: keyed as extra keys of its block, so it is never credited as plain.
+    let salt = strs.first().copied();
+    out.mixes.extend(x.mixes.iter().copied());
+    if strs.len() > 1 {
+        out.mixes.push((0, crate::hash::extra_digest(&strs[1..].concat())));
+    }
+    for &(j, s) in &x.later_strs {
+        if f.lora_name != Some(s) {
+            out.mixes.push((j, crate::hash::extra_digest(s)));
+        }
+    }
+    out.mixes[start..].sort_unstable_by_key(|m| m.0);
+    Ok((crate::hash::identity_root(lora, salt), start..out.mixes.len()))
 }
 
 /// Legacy positional events: `[tag, field0, field1, ...]`, trailing defaults omitted.
@@ -367,7 +495,10 @@ fn decode_array_event(r: &mut Reader<'_>, i: usize, block_size: usize, out: &mut
             (Kind::Stored, 2) => f.parent = Some(read_parent(r, i)?),
             (Kind::Stored, 3) => f.tokens = Some(read_tokens(r, i, out)?),
             (Kind::Stored, 4) => f.block_size = read_opt_uint(r, Path::Event(i, "block_size"))?,
+            (Kind::Stored, 5) => f.lora_id = read_opt_uint(r, Path::Event(i, "lora_id"))?,
             (Kind::Stored, 6) | (Kind::Removed, 2) => f.tier = Some(read_medium(r, i)?),
+            (Kind::Stored, 7) => f.lora_name = read_opt_str(r, Path::Event(i, "lora_name"))?,
+            (Kind::Stored, 8) => f.extra = read_extra_keys(r, i)?,
             (Kind::Stored, 9) | (Kind::Removed, 3) => f.group = read_opt_uint(r, Path::Event(i, "group_idx"))?,
             _ => {
                 let p = r.pos;
@@ -375,7 +506,7 @@ fn decode_array_event(r: &mut Reader<'_>, i: usize, block_size: usize, out: &mut
             }
         }
     }
-    finish(i, kind, f, block_size)
+    finish(i, kind, f, block_size, out)
 }
 
 /// Tagged-map events: `{"type": "BlockStored", "block_hashes": ..., ...}`, any key order.
@@ -412,6 +543,9 @@ fn decode_map_event(r: &mut Reader<'_>, i: usize, block_size: usize, out: &mut D
             }
             b"block_size" => f.block_size = read_opt_uint(r, Path::Event(i, "block_size"))?,
             b"medium" => f.tier = Some(read_medium(r, i)?),
+            b"lora_id" => f.lora_id = read_opt_uint(r, Path::Event(i, "lora_id"))?,
+            b"lora_name" => f.lora_name = read_opt_str(r, Path::Event(i, "lora_name"))?,
+            b"extra_keys" => f.extra = read_extra_keys(r, i)?,
             b"group_idx" => f.group = read_opt_uint(r, Path::Event(i, "group_idx"))?,
             _ => {
                 let p = r.pos;
@@ -420,5 +554,5 @@ fn decode_map_event(r: &mut Reader<'_>, i: usize, block_size: usize, out: &mut D
         }
     }
     let kind = kind.ok_or(EventError::MissingField { at: Path::Event(i, "").render(), field: "type" })?;
-    finish(i, kind, f, block_size)
+    finish(i, kind, f, block_size, out)
 }

@@ -13,8 +13,16 @@
 //! `BlockStored` it recomputes Dynamo-style sequence hashes from `token_ids` (`crate::hash`, with
 //! the router's block size and seed) and remembers engine hash -> sequence hash per worker, so
 //! `BlockRemoved` resolves through that map (llm-d's dual-key design). Several engine hashes may
-//! name the same token prefix (LoRA, cache salt, multimodal extra keys); a per-tier count keeps the
-//! index entry until the last of them is removed.
+//! name the same token prefix; a per-tier count keeps the index entry until the last of them is removed.
+//!
+//! Identity. vLLM mixes more than tokens into a block's key: the LoRA adapter, the request's
+//! `cache_salt`, multimodal `(identifier, offset)` pairs and prompt-embedding digests, published as
+//! `lora_name` and per-block `extra_keys`. The same tokens under another identity are other KV, so
+//! they are other blocks here too: a chain that starts under an adapter or a salt hangs from
+//! `crate::hash::identity_root(lora, salt)` (a request to that adapter with that salt computes the
+//! same root), and a block with multimodal or embedding keys mixes their digest into its local hash
+//! (no request reproduces it, so a match stops before the first media block). Events without
+//! identity hash exactly as before. SGLang publishes no extra keys: its LoRA blocks key as base-model blocks.
 //!
 //! Unknown parents. A `BlockStored` whose `parent_block_hash` this worker's map does not know (the
 //! router joined mid-stream, or lost events) cannot be placed: its true sequence hashes depend on
@@ -43,7 +51,7 @@ use hashbrown::hash_map::Entry;
 
 pub use decode::{decode_batch, medium_tier, DecodedBatch, DecodedEvent};
 
-use crate::hash::{chain_hash, extend_sequence_hashes};
+use crate::hash::{chain_hash, extend_sequence_hashes, extend_sequence_hashes_mixed};
 use crate::index::aliases::{Alias, WorkerAliases};
 use crate::index::{KvIndex, Tier, WorkerId};
 
@@ -172,9 +180,12 @@ impl KvIndex {
             if hashes.end > batch.hashes.len() {
                 return Err(outside(i, "block_hashes"));
             }
-            if let DecodedEvent::Stored { tokens, .. } = ev {
+            if let DecodedEvent::Stored { tokens, mixes, .. } = ev {
                 if tokens.end > batch.tokens.len() {
                     return Err(outside(i, "token_ids"));
+                }
+                if mixes.end > batch.mixes.len() || mixes.start > mixes.end {
+                    return Err(outside(i, "extra_keys"));
                 }
                 let (blocks, n) = (hashes.len(), tokens.len());
                 if n != blocks * block_size {
@@ -221,7 +232,7 @@ impl KvIndex {
                     st.blocks_removed += self.remove(w, removals, tier.bit());
                     st.events += 1;
                 }
-                DecodedEvent::Stored { hashes, parent, tokens, tier } => {
+                DecodedEvent::Stored { hashes, parent, tokens, tier, root, mixes } => {
                     let parent_seq = match parent {
                         None => None,
                         Some(p) => match blocks.get(p) {
@@ -233,7 +244,15 @@ impl KvIndex {
                         },
                     };
                     seqs.clear();
-                    extend_sequence_hashes(seqs, &batch.tokens[tokens.clone()], block_size, seed, parent_seq);
+                    // A chain that starts here hangs from its identity (LoRA, salt): the root seeds
+                    // the hashes, but the chain is stored from block 0 (the index never holds it).
+                    let prev = parent_seq.or(*root);
+                    let toks = &batch.tokens[tokens.clone()];
+                    if mixes.is_empty() {
+                        extend_sequence_hashes(seqs, toks, block_size, seed, prev);
+                    } else {
+                        extend_sequence_hashes_mixed(seqs, toks, block_size, seed, prev, &batch.mixes[mixes.clone()]);
+                    }
                     removals.clear();
                     let t = *tier as usize;
                     for (&h, &seq) in batch.hashes[hashes.clone()].iter().zip(seqs.iter()) {

@@ -91,9 +91,36 @@ fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u64, medi
         ("lora_id", V::Nil),
         ("medium", medium.map_or(V::Nil, V::S)),
         ("lora_name", V::Nil),
-        ("extra_keys", V::A(vec![V::M(vec![("type", V::S("cache_salt")), ("salt", V::S("x"))])])),
+        ("extra_keys", V::Nil),
         ("kv_cache_spec_kind", V::S("full_attention")),
     ])
+}
+
+/// vLLM's full positional form, identity fields included (`lora_id`, `medium`, `lora_name`, `extra_keys`).
+fn stored_arr_id(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u64, lora: Option<&'static str>, extra: V) -> V {
+    V::A(vec![
+        V::S("BlockStored"),
+        ua(hashes),
+        parent.map_or(V::Nil, V::U),
+        ta(tokens),
+        V::U(bs),
+        V::Nil,
+        V::S("GPU"),
+        lora.map_or(V::Nil, V::S),
+        extra,
+    ])
+}
+
+fn stored_map_id(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u64, lora: Option<&'static str>, extra: V) -> V {
+    let V::M(mut fields) = stored_map(hashes, parent, tokens, bs, None) else { unreachable!() };
+    for (k, v) in fields.iter_mut() {
+        match *k {
+            "lora_name" => *v = lora.map_or(V::Nil, V::S),
+            "extra_keys" => *v = extra.clone(),
+            _ => {}
+        }
+    }
+    V::M(fields)
 }
 
 fn stored_arr(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u64) -> V {
@@ -358,7 +385,7 @@ fn apply_decoded_takes_in_process_batches_and_refuses_bad_ones_whole() {
     let mut b = DecodedBatch::default();
     b.hashes.extend([11, 12]);
     b.tokens.extend_from_slice(&tokens);
-    b.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..8, tier: Tier::Device });
+    b.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..8, tier: Tier::Device, root: None, mixes: 0..0 });
     let (mut seqs, mut rem) = (Vec::new(), Vec::new());
     let st = idx.apply_decoded(3, &b, 4, DEFAULT_SEED, &mut seqs, &mut rem).unwrap();
     assert_eq!(st.blocks_stored, 2);
@@ -370,7 +397,7 @@ fn apply_decoded_takes_in_process_batches_and_refuses_bad_ones_whole() {
     bad.hashes.extend([21, 22]);
     bad.tokens.extend_from_slice(&tokens[..7]);
     bad.events.push(DecodedEvent::Removed { hashes: 0..1, tier: Tier::Device });
-    bad.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..7, tier: Tier::Device });
+    bad.events.push(DecodedEvent::Stored { hashes: 0..2, parent: None, tokens: 0..7, tier: Tier::Device, root: None, mixes: 0..0 });
     let e = idx.apply_decoded(3, &bad, 4, DEFAULT_SEED, &mut seqs, &mut rem).unwrap_err();
     assert!(matches!(e, EventError::TokenCount { tokens: 7, blocks: 2, block_size: 4, .. }), "{e}");
     // A range outside the batch's buffers is refused too.
@@ -406,7 +433,7 @@ fn a_clear_racing_a_batch_leaves_no_block_the_events_cannot_remove() {
             let mut b = DecodedBatch::default();
             b.hashes.extend(16 * i..16 * i + 16);
             b.tokens.extend(toks(64 * i as u32, 64));
-            b.events.push(DecodedEvent::Stored { hashes: 0..16, parent: None, tokens: 0..64, tier: Tier::Device });
+            b.events.push(DecodedEvent::Stored { hashes: 0..16, parent: None, tokens: 0..64, tier: Tier::Device, root: None, mixes: 0..0 });
             idx.apply_decoded(5, &b, BS, DEFAULT_SEED, &mut seqs, &mut rem).unwrap();
             b.events[0] = DecodedEvent::Removed { hashes: 0..16, tier: Tier::Device };
             idx.apply_decoded(5, &b, BS, DEFAULT_SEED, &mut seqs, &mut rem).unwrap();
@@ -417,4 +444,144 @@ fn a_clear_racing_a_batch_leaves_no_block_the_events_cannot_remove() {
         stale
     });
     assert_eq!(stale, 0, "blocks left in the index that no engine hash maps to");
+}
+
+mod identity {
+    use super::*;
+    use crate::hash::identity_root;
+
+    const BS: usize = 4;
+
+    fn depth(ix: &KvIndex, tokens: &[u32], root: Option<u64>) -> u32 {
+        let h = sequence_hashes(tokens, BS, DEFAULT_SEED, root);
+        ix.find_matches(&h, ANY_TIER).depths.first().copied().unwrap_or(0)
+    }
+
+    fn keys(per_block: Vec<Vec<V>>) -> V {
+        V::A(per_block.into_iter().map(|k| if k.is_empty() { V::Nil } else { V::A(k) }).collect())
+    }
+
+    /// Each identity vLLM publishes keys its blocks apart, in both event encodings, and a request
+    /// with that identity (and only it) matches them.
+    #[test]
+    fn adapters_and_salts_key_blocks_apart() {
+        let t = toks(100, 3 * BS);
+        let a = Some(b"tenant-a".as_slice());
+        let cases: Vec<(Option<&'static str>, V, Option<u64>)> = vec![
+            (None, V::Nil, None),
+            (Some("tenant-a"), keys(vec![vec![V::S("tenant-a")]; 3]), identity_root(a, None)),
+            (None, keys(vec![vec![V::S("s1")], vec![], vec![]]), identity_root(None, Some(b"s1"))),
+            (
+                Some("tenant-a"),
+                keys(vec![vec![V::S("tenant-a"), V::S("s1")], vec![V::S("tenant-a")], vec![V::S("tenant-a")]]),
+                identity_root(a, Some(b"s1")),
+            ),
+        ];
+        let roots = [
+            None,
+            identity_root(a, None),
+            identity_root(None, Some(b"s1")),
+            identity_root(a, Some(b"s1")),
+            identity_root(Some(b"tenant-b"), None),
+        ];
+        for form in 0..2 {
+            for (lora, extra, root) in &cases {
+                let ev = if form == 0 {
+                    stored_arr_id(&[1, 2, 3], None, &t, BS as u64, *lora, extra.clone())
+                } else {
+                    stored_map_id(&[1, 2, 3], None, &t, BS as u64, *lora, extra.clone())
+                };
+                let ix = KvIndex::new(None);
+                ix.apply_event_batch(0, &batch(vec![ev], 0), BS, DEFAULT_SEED).unwrap();
+                for r in roots {
+                    let want = if r == *root { 3 } else { 0 };
+                    assert_eq!(depth(&ix, &t, r), want, "form {form}, lora {lora:?}, request root {r:?}");
+                }
+                // The engine's hashes still resolve removals.
+                ix.apply_event_batch(0, &batch(vec![removed_map(&[3], None)], 0), BS, DEFAULT_SEED).unwrap();
+                assert_eq!(depth(&ix, &t, *root), 2);
+            }
+        }
+    }
+
+    /// A chain continued under a known parent keeps its identity (later blocks carry only the LoRA name).
+    #[test]
+    fn a_continued_chain_keeps_its_identity() {
+        let t = toks(7, 4 * BS);
+        let root = identity_root(Some(b"a"), Some(b"s"));
+        let ix = KvIndex::new(None);
+        let first =
+            stored_map_id(&[1, 2], None, &t[..2 * BS], BS as u64, Some("a"), keys(vec![vec![V::S("a"), V::S("s")], vec![V::S("a")]]));
+        let next = stored_map_id(&[3, 4], Some(2), &t[2 * BS..], BS as u64, Some("a"), keys(vec![vec![V::S("a")], vec![V::S("a")]]));
+        ix.apply_event_batch(0, &batch(vec![first, next], 0), BS, DEFAULT_SEED).unwrap();
+        assert_eq!(depth(&ix, &t, root), 4);
+        assert_eq!(depth(&ix, &t, identity_root(Some(b"a"), None)), 0);
+    }
+
+    /// Blocks with multimodal pairs or embedding digests are never matched by plain tokens: a
+    /// request is credited with the blocks before the first one, never more; another image at the
+    /// same place is another block.
+    #[test]
+    fn media_blocks_stop_the_match() {
+        let t = toks(0, 4 * BS);
+        let img = |id: &'static str| V::A(vec![V::S(id), V::U(1)]);
+        let ix = KvIndex::new(None);
+        let ev = stored_map_id(&[1, 2, 3, 4], None, &t, BS as u64, None, keys(vec![vec![], vec![], vec![img("img-1")], vec![]]));
+        ix.apply_event_batch(0, &batch(vec![ev], 0), BS, DEFAULT_SEED).unwrap();
+        assert_eq!(depth(&ix, &t, None), 2);
+        let ev = stored_arr_id(&[5, 6, 7, 8], None, &t, BS as u64, None, keys(vec![vec![], vec![], vec![img("img-2")], vec![]]));
+        ix.apply_event_batch(1, &batch(vec![ev], 0), BS, DEFAULT_SEED).unwrap();
+        // The two workers share blocks 0-1 only: the media blocks differ.
+        let h = sequence_hashes(&t, BS, DEFAULT_SEED, None);
+        let m = ix.find_matches(&h, ANY_TIER);
+        assert_eq!(m.depths, vec![2, 2]);
+        // An embeddings digest (bin) and an unknown entry shape key their block the same way.
+        let ix = KvIndex::new(None);
+        let ev = stored_map_id(
+            &[1, 2, 3, 4],
+            None,
+            &t,
+            BS as u64,
+            None,
+            V::A(vec![V::Nil, V::A(vec![V::B(vec![9; 32])]), V::Nil, V::M(vec![("k", V::U(1))])]),
+        );
+        ix.apply_event_batch(0, &batch(vec![ev], 0), BS, DEFAULT_SEED).unwrap();
+        assert_eq!(depth(&ix, &t, None), 1);
+    }
+
+    /// The deprecated `lora_id` alone: a root no request reproduces (never credited to the base
+    /// model nor to an adapter by name).
+    #[test]
+    fn a_bare_lora_id_is_credited_to_nobody() {
+        let t = toks(0, 2 * BS);
+        let V::M(mut fields) = stored_map(&[1, 2], None, &t, BS as u64, None) else { unreachable!() };
+        for (k, v) in fields.iter_mut() {
+            if *k == "lora_id" {
+                *v = V::U(3);
+            }
+        }
+        let ix = KvIndex::new(None);
+        ix.apply_event_batch(0, &batch(vec![V::M(fields)], 0), BS, DEFAULT_SEED).unwrap();
+        assert_eq!(ix.num_blocks(0), 2);
+        for r in [None, identity_root(Some(b"3"), None)] {
+            assert_eq!(depth(&ix, &t, r), 0);
+        }
+    }
+
+    #[test]
+    fn more_extra_keys_than_blocks_is_an_error() {
+        let t = toks(0, BS);
+        let ev = stored_map_id(&[1], None, &t, BS as u64, None, keys(vec![vec![], vec![]]));
+        let e = KvIndex::new(None).apply_event_batch(0, &batch(vec![ev], 0), BS, DEFAULT_SEED).unwrap_err();
+        assert!(matches!(e, EventError::OutOfRange { ref at, .. } if at == "events[0].extra_keys"), "{e}");
+        let e = KvIndex::new(None)
+            .apply_event_batch(
+                0,
+                &batch(vec![stored_map_id(&[1], None, &t, BS as u64, Some("a"), V::A(vec![V::A(vec![V::U(1)]), V::S("x")]))], 0),
+                BS,
+                DEFAULT_SEED,
+            )
+            .unwrap_err();
+        assert!(matches!(e, EventError::OutOfRange { .. }), "{e}");
+    }
 }

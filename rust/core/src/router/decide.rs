@@ -19,6 +19,8 @@ struct Ask<'r, 'a> {
     pd: bool,
     /// The pinned worker's position.
     pinned: Option<usize>,
+    /// Whether `State::allowed` restricts the workers (`RouteRequest::workers`).
+    restricted: bool,
     /// Whether `State::indexed_blocks` was read for this request.
     occupancy: bool,
     req: &'r RouteRequest<'a>,
@@ -162,6 +164,24 @@ impl Router {
             Some(p) => Some(*st.pos.get(&p).ok_or(RouterError::UnknownWorker(p))?),
             None => None,
         };
+        let restricted = req.workers.is_some();
+        if let Some(ws) = req.workers {
+            st.allowed.clear();
+            st.allowed.resize(st.workers.len(), false);
+            let mut any = false;
+            for w in ws {
+                if let Some(&at) = st.pos.get(w) {
+                    st.allowed[at] = true;
+                    any = true;
+                }
+            }
+            if !any {
+                return Err(RouterError::NoWorkers(format!("none of the {} workers this request may use is registered", ws.len())));
+            }
+            if let Some(p) = pinned.filter(|&p| !st.allowed[p]) {
+                return Err(RouterError::InvalidArgument(format!("worker {} is pinned but not among the workers given", st.workers[p].id)));
+            }
+        }
         st.overlaps.clear();
         st.overlaps.resize(st.workers.len(), 0);
         for (w, &d) in matches.workers.iter().zip(&matches.depths) {
@@ -200,6 +220,7 @@ impl Router {
             kv_need: (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs),
             pd: st.workers.iter().any(|w| w.spec.role == Role::Decode),
             pinned,
+            restricted,
             occupancy,
             req,
             hashes,
@@ -219,7 +240,9 @@ impl Router {
             return Ok(DecodeSide::default());
         }
         let cfg = &self.cfg;
-        let choice = choose_decode(&st.workers, |w| w.spec.role.decodes(), ask.kv_need, &cfg.decode, cfg.tie_break, &mut st.rotation)
+        let State { workers, allowed, rotation, pos, .. } = st;
+        let ok = |w: &WorkerLoad| w.spec.role.decodes() && (!ask.restricted || allowed[pos[&w.id]]);
+        let choice = choose_decode(workers, ok, ask.kv_need, &cfg.decode, cfg.tie_break, rotation)
             .ok_or_else(|| RouterError::NoWorkers("no decode workers".into()))?;
         Ok(match choice {
             DecodeChoice::Chosen(i, tpot) => DecodeSide { at: Some(i), tpot, reject: None },
@@ -242,7 +265,7 @@ impl Router {
         let mut filtered = Filtered { count: 0, reason: Reason::RejectedDecode };
         let mut spill: Vec<Candidate> = Vec::new();
         for at in 0..st.workers.len() {
-            if ask.pinned.is_some_and(|p| p != at) {
+            if ask.pinned.is_some_and(|p| p != at) || (ask.restricted && !st.allowed[at]) {
                 continue;
             }
             let w = &st.workers[at];
@@ -291,7 +314,12 @@ impl Router {
         filtered: Filtered,
     ) -> Result<Option<Decision>, RouterError> {
         if !ask.pd && st.cands.is_empty() {
-            let at = ask.pinned.unwrap_or_else(|| (0..st.workers.len()).max_by_key(|&i| st.workers[i].kv_free()).expect("non-empty"));
+            let at = ask.pinned.unwrap_or_else(|| {
+                (0..st.workers.len())
+                    .filter(|&i| !ask.restricted || st.allowed[i])
+                    .max_by_key(|&i| st.workers[i].kv_free())
+                    .expect("non-empty")
+            });
             let c = self.candidate_at(st, ask, at, 0.0);
             decode.tpot = st.workers[at].tpot_with_one_more(self.cfg.decode.step_s);
             return Ok(Some(self.rejection(c, None, filtered.reason, decode.tpot, ask.num_tokens, ask.req, &st.cands)));

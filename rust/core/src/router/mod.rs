@@ -72,6 +72,12 @@ pub struct RouteRequest<'a> {
     pub explain: bool,
     /// Route to this worker (a session pin, or a caller's own choice); load and SLO checks still apply.
     pub pin: Option<WorkerId>,
+    /// The identity the prompt's KV is keyed under (`crate::hash::identity_root`: LoRA adapter,
+    /// cache salt), for a prompt given as `tokens`; `hashes` carry theirs already.
+    pub identity: Option<u64>,
+    /// Route only among these workers (those serving the request's model); ids not registered
+    /// (e.g. taken out as unhealthy) are ignored. `None`: every worker.
+    pub workers: Option<&'a [WorkerId]>,
 }
 
 struct State {
@@ -83,6 +89,8 @@ struct State {
     shifts: Vec<f64>,
     cands: Vec<Candidate>,
     overlaps: Vec<u32>,
+    /// Per worker (same order), whether the request may go there (`RouteRequest::workers`).
+    allowed: Vec<bool>,
     /// Per worker (same order), the blocks the index holds for it: read once per route, only when
     /// the capacity charge needs it (`occupancy_slots` is the read's scratch).
     indexed_blocks: Vec<u64>,
@@ -194,6 +202,7 @@ impl Router {
                 shifts: Vec::new(),
                 cands: Vec::new(),
                 overlaps: Vec::new(),
+                allowed: Vec::new(),
                 indexed_blocks: Vec::new(),
                 occupancy_slots: Vec::new(),
                 rotation: 0,
@@ -443,6 +452,9 @@ impl Router {
         let bs = self.cfg.block_size;
         let num_tokens = match (req.tokens, req.hashes) {
             (Some(_), Some(_)) => return Err(RouterError::InvalidArgument("give tokens or hashes, not both".into())),
+            (None, Some(_)) if req.identity.is_some() => {
+                return Err(RouterError::InvalidArgument("an identity applies to tokens; hashes already carry theirs".into()))
+            }
             (None, None) => return Err(RouterError::InvalidArgument("give the prompt as tokens, or as hashes with num_tokens".into())),
             (Some(t), None) => {
                 if let Some(n) = req.num_tokens {
@@ -473,7 +485,7 @@ impl Router {
             let hs: &[u64] = match req.tokens {
                 Some(t) => {
                     hashes.clear();
-                    crate::hash::extend_sequence_hashes(hashes, t, bs, self.cfg.hash_seed, None);
+                    crate::hash::extend_sequence_hashes(hashes, t, bs, self.cfg.hash_seed, req.identity);
                     hashes
                 }
                 None => req.hashes.expect("checked"),

@@ -7,6 +7,7 @@ mod lifecycle;
 mod pd;
 mod pending;
 mod policies;
+mod pools;
 mod share;
 mod stale;
 mod ttft_model;
