@@ -1,6 +1,7 @@
 //! kvroute-core: block hashing, the concurrent KV prefix index, and the router on top of them.
 //! Pure Rust (no Python), so it can be tested, benchmarked and fuzzed on its own.
 
+pub mod check;
 pub mod events;
 pub mod hash;
 pub mod index;

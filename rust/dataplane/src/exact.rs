@@ -17,8 +17,8 @@ use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
 use crate::prompt::{
-    approx_prompt_of, completion_prompt, object, output_tokens, py_float_repr, py_json_str, py_truthy, valid_messages, ApproxPrompt,
-    BadRequest, CompletionPrompt,
+    approx_prompt_of, completion_prompt, has_media, object, output_tokens, py_float_repr, py_json_str, py_truthy, request_root,
+    valid_messages, ApproxPrompt, BadRequest, CompletionPrompt,
 };
 
 /// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
@@ -171,30 +171,37 @@ impl ExactPrompter {
     }
 
     /// The routed prompt of a parsed request body (`Ok(None)`: not reproducible exactly here).
-    pub fn prompt(&self, body: &Value, chat: bool) -> Result<Option<ApproxPrompt>, BadRequest> {
+    /// `lora`: the LoRA adapter serving it; with the body's `cache_salt` it keys the blocks.
+    pub fn prompt(&self, body: &Value, chat: bool, lora: Option<&str>) -> Result<Option<ApproxPrompt>, BadRequest> {
         match self.token_ids(body, chat)? {
-            Some(ids) => self.hash(body, ids).map(Some),
+            Some(ids) => self.hash(body, ids, lora).map(Some),
             None => Ok(None),
         }
     }
 
     /// What the data plane routes a body on in exact mode: its exact prompt, or, for a valid body
     /// not reproducible exactly here, its approximate hashes; the flag is true when exact.
-    pub fn routed_prompt(&self, body: &Value, chat: bool) -> Result<(ApproxPrompt, bool), BadRequest> {
-        let exact = self.prompt(body, chat)?;
-        self.or_approx(body, chat, exact)
+    pub fn routed_prompt(&self, body: &Value, chat: bool, lora: Option<&str>) -> Result<(ApproxPrompt, bool), BadRequest> {
+        let exact = self.prompt(body, chat, lora)?;
+        self.or_approx(body, chat, exact, lora)
     }
 
     /// `exact` (an outcome of `prompt` / `prompt_async`), or the body's approximate hashes in its place.
-    pub fn or_approx(&self, body: &Value, chat: bool, exact: Option<ApproxPrompt>) -> Result<(ApproxPrompt, bool), BadRequest> {
+    pub fn or_approx(
+        &self,
+        body: &Value,
+        chat: bool,
+        exact: Option<ApproxPrompt>,
+        lora: Option<&str>,
+    ) -> Result<(ApproxPrompt, bool), BadRequest> {
         match exact {
             Some(p) => Ok((p, true)),
-            None => Ok((approx_prompt_of(body, chat, self.block_size, self.seed, false)?, false)),
+            None => Ok((approx_prompt_of(body, chat, self.block_size, self.seed, false, lora)?, false)),
         }
     }
 
     /// `prompt` off the runtime thread for long texts (see `INLINE_ENCODE_BYTES`).
-    pub async fn prompt_async(self: &Arc<Self>, body: &Value, chat: bool) -> Result<Option<ApproxPrompt>, BadRequest> {
+    pub async fn prompt_async(self: &Arc<Self>, body: &Value, chat: bool, lora: Option<&str>) -> Result<Option<ApproxPrompt>, BadRequest> {
         let ids = match self.text(body, chat)? {
             None => None,
             Some(PromptText::Ids(ids)) => Some(ids),
@@ -205,7 +212,7 @@ impl ExactPrompter {
             }
         };
         match ids {
-            Some(ids) => self.hash(body, ids).map(Some),
+            Some(ids) => self.hash(body, ids, lora).map(Some),
             None => Ok(None),
         }
     }
@@ -215,6 +222,11 @@ impl ExactPrompter {
     fn text(&self, body: &Value, chat: bool) -> Result<Option<PromptText>, BadRequest> {
         if chat {
             let text = self.render_chat(body)?;
+            // A chat with media: the engine's tokens hold the media's placeholders, which only the
+            // engine's processor expands; routed on its approximate text prefix (`approx_prompt_of`).
+            if has_media(object(body)?) {
+                return Ok(None);
+            }
             // Validated like a rendered prompt would be, so a fallback body is a valid one.
             output_tokens(object(body)?)?;
             return Ok(text.map(|t| PromptText::Text(t, false)));
@@ -232,12 +244,14 @@ impl ExactPrompter {
         Some(enc.get_ids().to_vec())
     }
 
-    fn hash(&self, body: &Value, ids: Vec<u32>) -> Result<ApproxPrompt, BadRequest> {
+    fn hash(&self, body: &Value, ids: Vec<u32>, lora: Option<&str>) -> Result<ApproxPrompt, BadRequest> {
         if ids.is_empty() {
             return Err(BadRequest("empty prompt".into()));
         }
-        let output_tokens = output_tokens(object(body)?)?;
-        let hashes = kvroute_core::hash::sequence_hashes(&ids, self.block_size, self.seed, None);
+        let body = object(body)?;
+        let output_tokens = output_tokens(body)?;
+        let root = request_root(body, lora)?;
+        let hashes = kvroute_core::hash::sequence_hashes(&ids, self.block_size, self.seed, root);
         Ok(ApproxPrompt { hashes, num_tokens: ids.len() as u64, output_tokens })
     }
 }
@@ -550,7 +564,7 @@ mod tests {
         let chat = json!({"messages": [{"role": "user", "content": "the sky"}], "max_tokens": 3});
         assert_eq!(ex.render_chat(&chat).unwrap().as_deref(), Some("<s><|user|> the sky "));
         assert_eq!(ex.token_ids(&chat, true), Ok(Some(vec![2, 4, 5])), "<s><|user|> is one unknown word");
-        let p = ex.prompt(&chat, true).unwrap().unwrap();
+        let p = ex.prompt(&chat, true, None).unwrap().unwrap();
         assert_eq!((p.num_tokens, p.output_tokens), (3, Some(3)));
         assert_eq!(p.hashes, kvroute_core::hash::sequence_hashes(&[2, 4, 5], 2, 7, None));
         assert_eq!(ex.token_ids(&json!({"prompt": [[9, 8, 7]]}), false), Ok(Some(vec![9, 8, 7])), "token ids are used as they are");
@@ -563,19 +577,19 @@ mod tests {
             json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}),
         ] {
             let chat = invalid.get("messages").is_some();
-            assert!(ex.prompt(&invalid, chat).is_err(), "{invalid}");
+            assert!(ex.prompt(&invalid, chat, None).is_err(), "{invalid}");
         }
         // Valid, but printing a list is not reproduced exactly: the plane routes it approximately.
         let printed_list = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "printed list"}]}]});
-        assert_eq!(ex.prompt(&printed_list, true), Ok(None));
+        assert_eq!(ex.prompt(&printed_list, true, None), Ok(None));
         // Long texts are encoded on the blocking pool: the same prompt.
         let long = json!({"prompt": "the sky is blue ".repeat(INLINE_ENCODE_BYTES / 8)});
         let ex = Arc::new(ex);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let (a, b) = rt.block_on(async { (ex.prompt_async(&long, false).await, ex.prompt_async(&chat_body(), true).await) });
-        assert_eq!(a, ex.prompt(&long, false));
+        let (a, b) = rt.block_on(async { (ex.prompt_async(&long, false, None).await, ex.prompt_async(&chat_body(), true, None).await) });
+        assert_eq!(a, ex.prompt(&long, false, None));
         assert!(a.unwrap().is_some_and(|p| p.num_tokens as usize == 1 + INLINE_ENCODE_BYTES / 2));
-        assert_eq!(b, ex.prompt(&chat_body(), true));
+        assert_eq!(b, ex.prompt(&chat_body(), true, None));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -588,8 +602,8 @@ mod tests {
         let dir = word_level("unsupported", "{% for m in messages %}{{ m.content | no_such_filter_anywhere(1) }}{% endfor %}{% endfor %}");
         let ex = ExactPrompter::load(&dir, 2, 7).unwrap();
         assert!(ex.template_unsupported().is_some());
-        assert_eq!(ex.prompt(&chat_body(), true), Ok(None));
-        assert!(ex.prompt(&json!({"prompt": "the sky"}), false).unwrap().is_some());
+        assert_eq!(ex.prompt(&chat_body(), true, None), Ok(None));
+        assert!(ex.prompt(&json!({"prompt": "the sky"}), false, None).unwrap().is_some());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -17,5 +17,5 @@ pub use approx::ApproxCache;
 pub use exact::{ExactError, ExactPrompter};
 pub use metrics::{render_metrics, MetricsSnapshot, ROUTING_BUCKETS};
 pub use plane::pd::{bootstrap_room, JsonFields, PdConvention};
-pub use plane::{DataPlane, PlaneConfig, PlaneError, UnhealthyHook, WorkerRow, REQUEST_ID_BASE};
+pub use plane::{DataPlane, PlaneConfig, PlaneError, ServedModel, UnhealthyHook, WorkerRow, REQUEST_ID_BASE};
 pub use prompt::{approx_prompt, ApproxPrompt, BadRequest};

@@ -102,6 +102,37 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// The self-check's series (docs/events.md, "The self-check").
+pub fn render_check(out: &mut String, c: &kvroute_core::check::CheckSnapshot) {
+    use kvroute_core::check::Outcome;
+    header(
+        out,
+        "kvroute_prefix_check_total",
+        "counter",
+        "Requests whose engine usage was checked against the predicted prefix hit, by outcome (match, over, under, prompt_length).",
+    );
+    for o in Outcome::ALL {
+        let _ = writeln!(out, "kvroute_prefix_check_total{{outcome=\"{}\"}} {}", o.name(), c.outcomes[o as usize]);
+    }
+    header(
+        out,
+        "kvroute_prefix_check_error_tokens_total",
+        "counter",
+        "Prompt tokens predicted cached but not reused (over) or reused but not predicted (under).",
+    );
+    let _ = writeln!(out, "kvroute_prefix_check_error_tokens_total{{direction=\"over\"}} {}", c.over_tokens);
+    let _ = writeln!(out, "kvroute_prefix_check_error_tokens_total{{direction=\"under\"}} {}", c.under_tokens);
+    header(
+        out,
+        "kvroute_prefix_check_alarms_total",
+        "counter",
+        "Self-check alarms raised (each logged once as a WARNING naming the likely cause).",
+    );
+    let _ = writeln!(out, "kvroute_prefix_check_alarms_total {}", c.alarms);
+    header(out, "kvroute_prefix_check_alarm", "gauge", "1 while the self-check's alarm is up.");
+    let _ = writeln!(out, "kvroute_prefix_check_alarm {}", u8::from(c.alarmed));
+}
+
 /// The Prometheus text exposition of `m` and the workers' rows (with what each engine last
 /// reported through `Router.observe`, when it did).
 pub fn render_metrics(m: &MetricsSnapshot, workers: &[(WorkerRow, Option<Observed>)]) -> String {

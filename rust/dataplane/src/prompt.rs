@@ -26,39 +26,86 @@ fn bad<T>(msg: impl Into<String>) -> Result<T, BadRequest> {
 /// Every `BYTES_PER_TOKEN` bytes of UTF-8 prompt text count as one token (ApproxPrompter's default).
 pub const BYTES_PER_TOKEN: usize = 4;
 
-/// The approximate prompt of a parsed request body, or the 400 an invalid body gets.
-pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64) -> Result<ApproxPrompt, BadRequest> {
-    approx_prompt_of(body, chat, block_size, seed, true)
+/// The approximate prompt of a parsed request body, or the 400 an invalid body gets. `lora`: the
+/// LoRA adapter serving it (the caller resolves the body's `model`); with the body's `cache_salt` it
+/// keys the prompt's blocks (`kvroute_core::hash::identity_root`).
+pub fn approx_prompt(body: &Value, chat: bool, block_size: usize, seed: u64, lora: Option<&str>) -> Result<ApproxPrompt, BadRequest> {
+    approx_prompt_of(body, chat, block_size, seed, true, lora)
+}
+
+/// The identity root of a request: the LoRA adapter serving it and the body's `cache_salt` (a
+/// string; empty is none, as in vLLM).
+pub fn request_root(body: &serde_json::Map<String, Value>, lora: Option<&str>) -> Result<Option<u64>, BadRequest> {
+    let salt = match body.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(v) => return bad(format!("cache_salt must be a string, got {}", type_name(v))),
+    };
+    Ok(kvroute_core::hash::identity_root(lora.map(str::as_bytes), salt.map(str::as_bytes)))
 }
 
 /// `approx_prompt`; `strict: false` (exact mode's fallback, for a body the exact prompter validated)
 /// keys message contents of any JSON type by their JSON text instead of refusing them.
-pub(crate) fn approx_prompt_of(body: &Value, chat: bool, block_size: usize, seed: u64, strict: bool) -> Result<ApproxPrompt, BadRequest> {
+///
+/// A chat with media (a content part other than text) is keyed only up to its first media part:
+/// what follows cannot be keyed as the engine keys it (its blocks carry the media's identity), so
+/// the hashes cover that text prefix while `num_tokens` estimates the whole prompt.
+pub(crate) fn approx_prompt_of(
+    body: &Value,
+    chat: bool,
+    block_size: usize,
+    seed: u64,
+    strict: bool,
+    lora: Option<&str>,
+) -> Result<ApproxPrompt, BadRequest> {
     let body = object(body)?;
-    let tokens = if chat {
+    let (tokens, keyed) = if chat {
         let msgs = valid_messages(body)?;
         let mut text = String::new();
+        let mut cut = None;
         for m in msgs {
             let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
             text.push_str("<|");
             text.push_str(role);
             text.push_str("|>");
-            message_text(m.get("content"), &mut text, strict)?;
+            let media = message_text(m.get("content"), &mut text, strict)?;
+            if cut.is_none() {
+                cut = media;
+            }
             text.push('\n');
         }
-        text_tokens(text.as_bytes())
+        let tokens = text_tokens(text.as_bytes());
+        // Only whole tokens before the media part (4 bytes each) are keyed.
+        let keyed = cut.map_or(tokens.len(), |c| c / BYTES_PER_TOKEN);
+        (tokens, keyed)
     } else {
-        match completion_prompt(body)? {
+        let t = match completion_prompt(body)? {
             CompletionPrompt::Text(s) => text_tokens(s.as_bytes()),
             CompletionPrompt::Ids(ids) => ids,
-        }
+        };
+        let n = t.len();
+        (t, n)
     };
     if tokens.is_empty() {
         return bad("empty prompt");
     }
     let output_tokens = output_tokens(body)?;
-    let hashes = kvroute_core::hash::sequence_hashes(&tokens, block_size, seed, None);
+    let root = request_root(body, lora)?;
+    let hashes = kvroute_core::hash::sequence_hashes(&tokens[..keyed], block_size, seed, root);
     Ok(ApproxPrompt { hashes, num_tokens: tokens.len() as u64, output_tokens })
+}
+
+/// Whether a chat body has a content part other than text (an image, audio, video or file).
+pub(crate) fn has_media(body: &serde_json::Map<String, Value>) -> bool {
+    let Some(Value::Array(msgs)) = body.get("messages") else { return false };
+    msgs.iter().any(|m| match m.get("content") {
+        Some(Value::Array(parts)) => parts.iter().any(|p| !is_text_part(p)),
+        _ => false,
+    })
+}
+
+fn is_text_part(p: &Value) -> bool {
+    p.as_object().is_some_and(|o| o.get("type").and_then(Value::as_str) == Some("text"))
 }
 
 /// The body as a JSON object (the 400 of any other JSON value).
@@ -148,7 +195,9 @@ fn py_repr(v: &Value) -> String {
 }
 
 /// `_message_text`: string content as is, text parts' text, other parts as `json.dumps(p, sort_keys=True)`.
-fn message_text(content: Option<&Value>, out: &mut String, strict: bool) -> Result<(), BadRequest> {
+/// Returns where in `out` the first media part (a part other than text) begins, if any.
+fn message_text(content: Option<&Value>, out: &mut String, strict: bool) -> Result<Option<usize>, BadRequest> {
+    let mut media = None;
     match content {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) => out.push_str(s),
@@ -163,7 +212,10 @@ fn message_text(content: Option<&Value>, out: &mut String, strict: bool) -> Resu
                         }
                         Some(other) => py_json_dumps(other, out),
                     },
-                    _ => py_json_dumps(p, out),
+                    _ => {
+                        media.get_or_insert(out.len());
+                        py_json_dumps(p, out)
+                    }
                 }
             }
         }
@@ -172,7 +224,7 @@ fn message_text(content: Option<&Value>, out: &mut String, strict: bool) -> Resu
         }
         Some(other) => py_json_dumps(other, out),
     }
-    Ok(())
+    Ok(media)
 }
 
 /// Python's type name of a JSON value after `json.loads`.
@@ -317,6 +369,33 @@ pub fn text_tokens(raw: &[u8]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn approx_prompt_t(body: &Value, chat: bool, bs: usize, seed: u64) -> Result<ApproxPrompt, BadRequest> {
+        approx_prompt(body, chat, bs, seed, None)
+    }
+
+    #[test]
+    fn identity_and_media_key_the_prompt() {
+        let body = json!({"prompt": "x".repeat(64)});
+        let base = approx_prompt(&body, false, 2, 1, None).unwrap();
+        let lora = approx_prompt(&body, false, 2, 1, Some("a")).unwrap();
+        let salted = approx_prompt(&json!({"prompt": "x".repeat(64), "cache_salt": "s"}), false, 2, 1, None).unwrap();
+        let empty_salt = approx_prompt(&json!({"prompt": "x".repeat(64), "cache_salt": ""}), false, 2, 1, None).unwrap();
+        assert_eq!(base.hashes.len(), 8);
+        assert_eq!(empty_salt, base);
+        assert!(lora.hashes[0] != base.hashes[0] && salted.hashes[0] != base.hashes[0] && salted.hashes[0] != lora.hashes[0]);
+        assert!(approx_prompt(&json!({"prompt": "x", "cache_salt": 3}), false, 2, 1, None).is_err());
+        // Media: keyed up to the first media part; the length still counts all of it.
+        let text = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "y".repeat(40)}]}]});
+        let img = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "y".repeat(40)}, {"type": "image_url", "image_url": {"url": "http://x/1.png"}},
+            {"type": "text", "text": "z".repeat(80)}]}]});
+        let (t, i) = (approx_prompt(&text, true, 2, 1, None).unwrap(), approx_prompt(&img, true, 2, 1, None).unwrap());
+        // "<|user|>" + 40 bytes = 48 bytes = 12 tokens = 6 blocks before the image.
+        assert_eq!(i.hashes, t.hashes[..6].to_vec());
+        assert!(i.num_tokens > t.num_tokens + 20);
+        assert!(has_media(img.as_object().unwrap()) && !has_media(text.as_object().unwrap()));
+    }
     use serde_json::json;
 
     fn dumps(v: Value) -> String {
@@ -345,13 +424,13 @@ mod tests {
 
     #[test]
     fn completion_forms_and_fallbacks() {
-        let p = approx_prompt(&json!({"prompt": "hello world", "max_tokens": 3}), false, 2, 1).unwrap();
+        let p = approx_prompt_t(&json!({"prompt": "hello world", "max_tokens": 3}), false, 2, 1).unwrap();
         assert_eq!(p.num_tokens, 3);
         assert_eq!(p.hashes.len(), 1);
         assert_eq!(p.output_tokens, Some(3));
-        let ids = approx_prompt(&json!({"prompt": [1, 2, 3, 4]}), false, 2, 1).unwrap();
+        let ids = approx_prompt_t(&json!({"prompt": [1, 2, 3, 4]}), false, 2, 1).unwrap();
         assert_eq!(ids.hashes, kvroute_core::hash::sequence_hashes(&[1, 2, 3, 4], 2, 1, None));
-        let batched = approx_prompt(&json!({"prompt": [[1, 2, 3, 4], [5]]}), false, 2, 1).unwrap();
+        let batched = approx_prompt_t(&json!({"prompt": [[1, 2, 3, 4], [5]]}), false, 2, 1).unwrap();
         assert_eq!(batched, ids);
         for bad in [
             json!({"prompt": ""}),
@@ -364,9 +443,9 @@ mod tests {
             json!({"max_tokens": 3}),
             json!([1, 2]),
         ] {
-            assert!(approx_prompt(&bad, false, 2, 1).is_err(), "{bad}");
+            assert!(approx_prompt_t(&bad, false, 2, 1).is_err(), "{bad}");
         }
-        let first_null = approx_prompt(&json!({"prompt": "a", "max_completion_tokens": null, "max_tokens": 7}), false, 2, 1).unwrap();
+        let first_null = approx_prompt_t(&json!({"prompt": "a", "max_completion_tokens": null, "max_tokens": 7}), false, 2, 1).unwrap();
         assert_eq!(first_null.output_tokens, Some(7));
     }
 
@@ -374,8 +453,10 @@ mod tests {
     fn chat_text_is_role_and_content_in_order() {
         let body = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}]}, {"role": "assistant"}]});
         let text = "<|system|>be brief\n<|user|>hi{\"image_url\": {\"url\": \"u\"}, \"type\": \"image_url\"}\n<|assistant|>\n";
-        let p = approx_prompt(&body, true, 4, 9).unwrap();
-        assert_eq!(p.hashes, kvroute_core::hash::sequence_hashes(&text_tokens(text.as_bytes()), 4, 9, None));
+        let p = approx_prompt_t(&body, true, 4, 9).unwrap();
+        // Keyed up to the image part ("<|system|>be brief\n<|user|>hi" is 29 bytes: 7 whole tokens).
+        let keyed = &text_tokens(text.as_bytes())[..29 / 4];
+        assert_eq!(p.hashes, kvroute_core::hash::sequence_hashes(keyed, 4, 9, None));
         assert_eq!(p.num_tokens, text.len().div_ceil(4) as u64);
         for bad in [
             json!({"messages": []}),
@@ -383,7 +464,7 @@ mod tests {
             json!({"messages": [{"content": "x"}]}),
             json!({"messages": [{"role": "u", "content": 3}]}),
         ] {
-            assert!(approx_prompt(&bad, true, 4, 9).is_err(), "{bad}");
+            assert!(approx_prompt_t(&bad, true, 4, 9).is_err(), "{bad}");
         }
     }
 }

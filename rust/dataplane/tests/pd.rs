@@ -70,7 +70,7 @@ fn plane(conv: PdConvention, workers: &[(u64, Role, SocketAddr, Option<u16>)]) -
 
 /// Makes `worker` the router's first prefill choice for `body` (it "caches" the prompt).
 fn pin(router: &Router, worker: u64, body: &str) {
-    let p = approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, DEFAULT_SEED).unwrap();
+    let p = approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, DEFAULT_SEED, None).unwrap();
     router.index().store(worker, &p.hashes, None, Tier::Device).unwrap();
 }
 

@@ -58,7 +58,8 @@ fn refused_worker_is_retried_marked_and_load_released() {
     let addr = dp.start(common::loopback(), Some(admin)).unwrap();
     // The prompt is "cached" on the refusing worker, so it is the first choice.
     let body = format!(r#"{{"prompt": "{}", "stream": true, "max_tokens": 2}}"#, "abcd".repeat(300));
-    let hashes = kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+    let hashes =
+        kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED, None).unwrap();
     router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
 
     let resp = request(addr, "POST /v1/completions HTTP/1.1\r\nAuthorization: Bearer k", &body);
@@ -178,7 +179,8 @@ fn requests_on_a_worker_marked_unhealthy_end_at_once() {
     dp.add_worker(1, &format!("http://{good}"), Role::Both, None).unwrap();
     let addr = dp.start(common::loopback(), None).unwrap();
     let pin = |body: &str| {
-        let hashes = kvroute_dataplane::approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+        let hashes =
+            kvroute_dataplane::approx_prompt(&serde_json::from_str(body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED, None).unwrap();
         router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
     };
     let send = |body: &str| {
@@ -262,7 +264,7 @@ fn an_event_stream_cut_short_is_an_error_never_a_quiet_end() {
     let send = |what: &str| {
         let body = format!(r#"{{"prompt": "{}", "stream": true}}"#, format!("{what} ").repeat(200));
         let hashes =
-            kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED).unwrap();
+            kvroute_dataplane::approx_prompt(&serde_json::from_str(&body).unwrap(), false, 64, kvroute_core::DEFAULT_SEED, None).unwrap();
         router.index().store(0, &hashes.hashes, None, kvroute_core::Tier::Device).unwrap();
         request(addr, "POST /v1/completions HTTP/1.1", &body)
     };

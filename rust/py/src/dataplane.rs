@@ -163,6 +163,21 @@ impl PyDataPlane {
         self.inner.add_worker(extract_u64(worker, "worker")?, url, role, port).map_err(to_py)
     }
 
+    /// The models a worker serves: its `/v1/models` answer (JSON bytes), or None when not known
+    /// (it may then serve any). Requests naming a model go only to workers serving it; a model no
+    /// worker serves gets a 404. Returns whether the worker is registered; ValueError for a bad answer.
+    fn set_worker_models(&self, worker: &Bound<'_, PyAny>, models: Option<&[u8]>) -> PyResult<bool> {
+        let id = extract_u64(worker, "worker")?;
+        let list = match models {
+            None => None,
+            Some(raw) => {
+                let v = parse(raw).map_err(|_| PyValueError::new_err("a /v1/models answer must be JSON"))?;
+                Some(kvroute_dataplane::ServedModel::parse_list(&v).map_err(PyValueError::new_err)?)
+            }
+        };
+        Ok(self.inner.set_worker_models(id, list))
+    }
+
     /// Forgets a worker; returns whether it was registered.
     fn remove_worker(&self, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.inner.remove_worker(extract_u64(worker, "worker")?))
@@ -235,6 +250,7 @@ impl PyDataPlane {
         d.set_item("routing_counts", m.routing_counts)?;
         d.set_item("routing_sum", m.routing_sum)?;
         d.set_item("routing_count", m.routing_count)?;
+        d.set_item("prefix_check", crate::check::snapshot_dict(py, &self.inner.check())?)?;
         Ok(d)
     }
 
@@ -340,11 +356,19 @@ impl PyDataPlane {
 /// The data plane's approximate prompt of a raw request body: (sequence hashes, num_tokens,
 /// output_tokens); ValueError with the client's 400 message for an invalid body.
 #[pyfunction]
-#[pyo3(signature = (body, chat, block_size = 64, *, seed = 1337))]
-fn approx_prompt<'py>(py: Python<'py>, body: &[u8], chat: bool, block_size: i64, seed: u64) -> PyResult<Bound<'py, PyTuple>> {
+/// `lora`: the LoRA adapter serving the request; with the body's `cache_salt` it keys the blocks.
+#[pyo3(signature = (body, chat, block_size = 64, *, seed = 1337, lora = None))]
+fn approx_prompt<'py>(
+    py: Python<'py>,
+    body: &[u8],
+    chat: bool,
+    block_size: i64,
+    seed: u64,
+    lora: Option<&str>,
+) -> PyResult<Bound<'py, PyTuple>> {
     let bs = check_block_size(block_size)?;
     let value = parse(body)?;
-    let p = py.detach(|| rust_approx_prompt(&value, chat, bs, seed)).map_err(bad_request)?;
+    let p = py.detach(|| rust_approx_prompt(&value, chat, bs, seed, lora)).map_err(bad_request)?;
     prompt_tuple(py, p)
 }
 

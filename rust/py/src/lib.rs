@@ -3,6 +3,7 @@
 
 #[cfg(feature = "aisim")]
 mod aisim;
+mod check;
 mod convert;
 mod dataplane;
 mod errors;
@@ -92,6 +93,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EventError", m.py().get_type::<events::EventError>())?;
     dataplane::register(m)?;
     prompt::register(m)?;
+    check::register(m)?;
     #[cfg(feature = "aisim")]
     m.add_function(wrap_pyfunction!(aisim::aisim_replay, m)?)?;
     m.add("HAS_AISIM", cfg!(feature = "aisim"))?;

@@ -41,9 +41,11 @@ impl PyExactPrompter {
     /// exact). `exact` is False when the body is valid but its tokens cannot be derived exactly here
     /// (the hashes are then the approximate ones, as the data plane routes it); ValueError with the
     /// client's 400 message for an invalid body.
-    fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Bound<'py, PyTuple>> {
+    /// `lora`: the LoRA adapter serving the request; with the body's `cache_salt` it keys the blocks.
+    #[pyo3(signature = (body, chat, *, lora = None))]
+    fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool, lora: Option<&str>) -> PyResult<Bound<'py, PyTuple>> {
         let value = parse(body)?;
-        let (p, exact) = py.detach(|| self.inner.routed_prompt(&value, chat)).map_err(bad_request)?;
+        let (p, exact) = py.detach(|| self.inner.routed_prompt(&value, chat, lora)).map_err(bad_request)?;
         let hashes: Bound<'_, PyArray1<u64>> = p.hashes.into_pyarray(py);
         PyTuple::new(
             py,

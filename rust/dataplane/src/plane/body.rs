@@ -110,6 +110,9 @@ impl PlaneBody {
     /// Relays `d`, first noting whether it ends an SSE stream: with its answer complete, or cut short
     /// (no `finish_reason` before `data: [DONE]`), which the client is told in place of the `[DONE]`.
     pub(super) fn data(&mut self, d: Bytes) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        if let Some(tap) = self.hold.as_mut().and_then(|h| h._lease.as_mut()).and_then(|l| l.tap.as_mut()) {
+            tap.push(&d);
+        }
         let Some(s) = self.sse.as_mut() else { return Poll::Ready(Some(Ok(Frame::data(d)))) };
         match s.push(&d) {
             Some(_) if s.finished => self.answered(),

@@ -52,8 +52,13 @@ use body::*;
 use lease::*;
 use pd::{PdConvention, PdHold};
 use relay::*;
+pub use server::ServedModel;
 use server::*;
 use tls::*;
+
+/// The self-check's window (requests with usage) and the mismatches in it that raise its alarm.
+pub const CHECK_WINDOW: usize = 20;
+pub const CHECK_THRESHOLD: usize = 8;
 
 /// Request ids of the data plane's routes have the top bit set, so they never collide with ids a
 /// library user routes by hand on the same Router (a counter from 1, as in the examples).
@@ -192,6 +197,10 @@ struct Shared {
     /// Where `/admin` requests go (the owner's admin API on loopback); `None`: the admin API is off.
     admin_base: RwLock<Option<String>>,
     on_unhealthy: Option<UnhealthyHook>,
+    /// Per worker, the models it serves, once known (`set_worker_models`).
+    models: RwLock<HashMap<WorkerId, Vec<ServedModel>>>,
+    /// Predicted prefix hits against the engines' reported `cached_tokens`.
+    check: kvroute_core::check::PrefixCheck,
 }
 
 /// The data plane: configure and register workers, then `start` serves on a runtime thread of its
@@ -250,6 +259,8 @@ impl DataPlane {
             next_rid: AtomicU64::new(1),
             client,
             on_unhealthy,
+            models: RwLock::new(HashMap::new()),
+            check: kvroute_core::check::PrefixCheck::new(CHECK_WINDOW, CHECK_THRESHOLD).map_err(PlaneError::Config)?,
         });
         Ok(DataPlane { shared, control: Mutex::new(Control::default()) })
     }
@@ -341,7 +352,27 @@ impl DataPlane {
 
     /// Forgets a worker (requests in flight on it finish normally); false when unknown.
     pub fn remove_worker(&self, id: WorkerId) -> bool {
+        self.shared.models.write().remove(&id);
         self.shared.workers.write().remove(&id).is_some()
+    }
+
+    /// The models a worker serves (its `/v1/models` entries; `None`: not known, so it may serve
+    /// any). Requests naming a model go only to workers serving it; false when the worker is unknown.
+    pub fn set_worker_models(&self, id: WorkerId, models: Option<Vec<ServedModel>>) -> bool {
+        if !self.shared.workers.read().contains_key(&id) {
+            return false;
+        }
+        let mut m = self.shared.models.write();
+        match models {
+            Some(list) => m.insert(id, list),
+            None => m.remove(&id),
+        };
+        true
+    }
+
+    /// The self-check's counters.
+    pub fn check(&self) -> kvroute_core::check::CheckSnapshot {
+        self.shared.check.snapshot()
     }
 
     /// Takes a worker out of routing as a failed dispatch does (the owner's health probe failed):
@@ -387,8 +418,8 @@ impl DataPlane {
     pub fn prompt(&self, body: &Value, chat: bool) -> Result<ApproxPrompt, BadRequest> {
         let sh = &self.shared;
         match &sh.exact {
-            Some(exact) => exact.routed_prompt(body, chat).map(|(p, _)| p),
-            None => approx_prompt(body, chat, sh.block_size, sh.seed),
+            Some(exact) => exact.routed_prompt(body, chat, None).map(|(p, _)| p),
+            None => approx_prompt(body, chat, sh.block_size, sh.seed, None),
         }
     }
 

@@ -10,6 +10,10 @@ pub(super) struct Call<'a> {
     pub(super) headers: &'a HeaderMap,
     pub(super) raw: &'a Bytes,
     pub(super) stream: bool,
+    /// The workers serving the request's model (`None`: any).
+    pub(super) pool: Option<&'a [WorkerId]>,
+    /// The prompt is the engine's tokens (exact mode): the self-check compares its predictions.
+    pub(super) exact: bool,
 }
 
 /// An attempt that failed before any byte reached the client, so it may be retried elsewhere.
@@ -49,6 +53,7 @@ pub(super) async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instan
             num_tokens: Some(prompt.num_tokens),
             request_id: Some(rid),
             output_tokens: prompt.output_tokens,
+            workers: call.pool,
             ..Default::default()
         };
         let d = match sh.router.route(&req) {
@@ -71,7 +76,16 @@ pub(super) async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instan
             let msg = format!("request rejected: {} (predicted TTFT {:.3} s); retry later", d.reason.name(), d.predicted_ttft);
             return adm.respond(error(429, &msg, "rate_limit_exceeded", Some(retry_after)));
         }
-        let lease = Lease { router: sh.router.clone(), rid, prefilled: false };
+        // The self-check applies where predictions are meant to be the engine's (exact prompts).
+        // A PD pair's answer comes from the decode side, whose reuse is not the predicted prefill hit.
+        let tap = (call.exact && d.path != RoutePath::Disaggregated).then(|| UsageTap {
+            sh: sh.clone(),
+            worker: d.worker,
+            predicted_blocks: d.overlap_blocks as u64,
+            routed_tokens: Some(prompt.num_tokens),
+            tail: Vec::new(),
+        });
+        let lease = Lease { router: sh.router.clone(), rid, prefilled: false, tap };
         sh.metrics.tokens(prompt.num_tokens, prompt.num_tokens - d.uncached_tokens.min(prompt.num_tokens));
         if let Some(a) = &sh.approx {
             let now = a.now();

@@ -121,14 +121,20 @@ pub(super) async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>
     };
     let t0 = Instant::now();
     let stream = value.get("stream").is_some_and(py_truthy);
+    let (pool, lora) = match sh.pool(value.get("model")) {
+        Pool::Any => (None, None),
+        Pool::Of(workers, lora) => (Some(workers), lora),
+        Pool::Unknown(model) => return adm.respond(model_not_found(&model)),
+    };
+    let lora = lora.as_deref();
     let prompt = match &sh.exact {
         // A valid body the exact prompter cannot reproduce routes on its approximate hashes.
-        Some(exact) => exact.prompt_async(&value, chat).await.and_then(|p| exact.or_approx(&value, chat, p)).map(|(p, _)| p),
-        None => approx_prompt(&value, chat, sh.block_size, sh.seed),
+        Some(exact) => exact.prompt_async(&value, chat, lora).await.and_then(|p| exact.or_approx(&value, chat, p, lora)),
+        None => approx_prompt(&value, chat, sh.block_size, sh.seed, lora).map(|p| (p, false)),
     };
     match prompt {
-        Ok(prompt) => {
-            let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream };
+        Ok((prompt, exact)) => {
+            let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream, pool: pool.as_deref(), exact };
             serve_hot(&call, &prompt, t0, adm).await
         }
         Err(BadRequest(msg)) => adm.respond(error(400, &msg, "invalid_request_error", None)),
@@ -163,9 +169,20 @@ pub(super) async fn other(sh: &Arc<Shared>, req: Request<Incoming>) -> Response<
     }
 }
 
-/// `/v1/models`: the first healthy worker's that serves requests (not a PD prefill), else the
-/// configured names, else 503.
+/// The engines' own answer to a model no worker serves (vLLM's OpenAI-style 404).
+pub(super) fn model_not_found(model: &str) -> Response<PlaneBody> {
+    let body = serde_json::json!({"error": {
+        "message": format!("The model `{model}` does not exist."), "type": "NotFoundError", "param": "model", "code": 404}});
+    json_response(404, &body)
+}
+
+/// `/v1/models`: the union of the models the healthy workers serve, once their lists are known
+/// (`DataPlane::set_worker_models`); before that, the first healthy worker's own answer (not a PD
+/// prefill's), else the configured names, else 503.
 pub(super) async fn models(sh: &Shared, headers: &HeaderMap) -> Response<PlaneBody> {
+    if let Some(data) = sh.models_union() {
+        return json_response(200, &serde_json::json!({"object": "list", "data": data}));
+    }
     let mut workers: Vec<Arc<Worker>> =
         sh.workers.read().values().filter(|w| w.role != Role::Prefill && w.healthy.load(Ordering::SeqCst)).cloned().collect();
     workers.sort_by_key(|w| w.id);
@@ -279,7 +296,93 @@ pub(super) async fn forward(sh: &Arc<Shared>, base: &str, parts: http::request::
     }
 }
 
+/// The workers a request may go to, from its `model`.
+pub(super) enum Pool {
+    /// No model lists are known, or the body names no model: any worker.
+    Any,
+    /// The workers serving the model (and those whose lists are not known yet), and the LoRA
+    /// adapter the model names, when it is one.
+    Of(Vec<WorkerId>, Option<String>),
+    /// No worker serves it.
+    Unknown(String),
+}
+
+/// One model a worker serves, as its `/v1/models` lists it.
+#[derive(Clone, Debug)]
+pub struct ServedModel {
+    pub id: String,
+    /// A LoRA adapter (vLLM lists one with its base model as `parent`).
+    pub adapter: bool,
+    /// The engine's own entry, for the gateway's `/v1/models`.
+    pub entry: Value,
+}
+
+impl ServedModel {
+    /// The entries of a `/v1/models` answer (`{"data": [{"id": ..., "parent": ...}, ...]}`).
+    pub fn parse_list(body: &Value) -> Result<Vec<ServedModel>, String> {
+        let data = body.get("data").and_then(Value::as_array).ok_or("a /v1/models answer needs a 'data' list")?;
+        data.iter()
+            .map(|e| {
+                let id = e.get("id").and_then(Value::as_str).ok_or("each /v1/models entry needs a string 'id'")?;
+                let adapter = e.get("parent").is_some_and(|p| p.is_string());
+                Ok(ServedModel { id: id.to_string(), adapter, entry: e.clone() })
+            })
+            .collect()
+    }
+}
+
 impl Shared {
+    /// The pool of a request naming `model`.
+    pub(super) fn pool(&self, model: Option<&Value>) -> Pool {
+        let models = self.models.read();
+        let Some(Value::String(m)) = model else { return Pool::Any };
+        if models.is_empty() {
+            return Pool::Any;
+        }
+        let mut ws = Vec::new();
+        let mut lora = None;
+        for (w, list) in models.iter() {
+            if let Some(e) = list.iter().find(|e| e.id == *m) {
+                ws.push(*w);
+                if e.adapter {
+                    lora = Some(m.clone());
+                }
+            }
+        }
+        if ws.is_empty() {
+            // A worker whose list is not known yet may serve it: only a model no worker may serve is unknown.
+            ws.extend(self.workers.read().keys().filter(|w| !models.contains_key(w)));
+            if ws.is_empty() {
+                return Pool::Unknown(m.clone());
+            }
+        } else {
+            ws.extend(self.workers.read().keys().filter(|w| !models.contains_key(w)));
+        }
+        Pool::Of(ws, lora)
+    }
+
+    /// The union of the healthy workers' model lists (first entry per id), `None` when none is known.
+    pub(super) fn models_union(&self) -> Option<Vec<Value>> {
+        let models = self.models.read();
+        let workers = self.workers.read();
+        let mut ids: Vec<WorkerId> =
+            models.keys().copied().filter(|w| workers.get(w).is_some_and(|w| w.healthy.load(Ordering::SeqCst))).collect();
+        if ids.is_empty() {
+            return None;
+        }
+        ids.sort_unstable();
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for w in ids {
+            for e in &models[&w] {
+                if seen.insert(e.id.clone()) {
+                    out.push(e.entry.clone());
+                }
+            }
+        }
+        Some(out)
+    }
+
     pub(super) fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
         self.workers.read().get(&id).cloned()
     }
@@ -293,7 +396,9 @@ impl Shared {
     }
 
     pub(super) fn metrics_text(&self) -> String {
-        render_metrics(&self.metrics.snapshot(), &self.rows())
+        let mut out = render_metrics(&self.metrics.snapshot(), &self.rows());
+        crate::metrics::render_check(&mut out, &self.check.snapshot());
+        out
     }
 
     /// `/health`: 200 while a complete serving path is healthy (a unified worker, or a prefill and
