@@ -23,12 +23,14 @@ from kvroute._core import (
     KvrouteError,
     MatchResult,
     NoWorkersError,
+    PrefixCheck,
     Router,
     UnknownRequestError,
     UnknownWorkerError,
     __version__,
     block_hashes,
     chain_hashes,
+    identity_root,
     local_block_hashes,
 )
 
@@ -47,11 +49,13 @@ __all__ = [
     "KvrouteError",
     "MatchResult",
     "NoWorkersError",
+    "PrefixCheck",
     "Router",
     "UnknownRequestError",
     "UnknownWorkerError",
     "__version__",
     "block_hashes",
     "chain_hashes",
+    "identity_root",
     "local_block_hashes",
 ]

@@ -34,12 +34,37 @@ def local_block_hashes(tokens: TokenIds, block_size: int = 64, *, seed: int = 13
     [15310707395893867146]
     """
 
-def block_hashes(tokens: TokenIds, block_size: int = 64, *, seed: int = 1337) -> npt.NDArray[np.uint64]:
-    """Chained sequence hashes of every full block (NVIDIA Dynamo's scheme).
+def block_hashes(tokens: TokenIds, block_size: int = 64, *, seed: int = 1337, identity: int | None = None) -> npt.NDArray[np.uint64]:
+    """Chained sequence hashes of every full block (NVIDIA Dynamo's scheme). `identity`
+    (`identity_root`) keys the blocks under a LoRA adapter or a cache salt.
 
     >>> block_hashes(list(range(32)), 16).tolist()[1]
     13769157705258532664
     """
+
+def identity_root(*, lora: str | None = None, cache_salt: str | None = None) -> int | None:
+    """The identity a request's KV is keyed under when the engine mixes more than its tokens into
+    block keys: its LoRA adapter (the name the engine serves it under) and its `cache_salt`. None
+    for the base model without a salt."""
+
+@final
+class PrefixCheck:
+    """The router's self-check: each request's predicted prefix hit against the engine's reported
+    `cached_tokens`; `threshold` mismatches over the last `window` requests raise one alarm."""
+
+    def __new__(cls, window: int = 20, threshold: int = 8) -> PrefixCheck: ...
+    def observe(
+        self,
+        worker: int,
+        predicted_blocks: int,
+        block_size: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        *,
+        routed_tokens: int | None = None,
+        indexed_blocks: int = 0,
+    ) -> tuple[Literal["match", "over", "under", "prompt_length"], str | None]: ...
+    def snapshot(self) -> dict[str, Any]: ...
 
 def chain_hashes(local_hashes: Hashes, *, parent: int | None = None, seed: int = 1337) -> npt.NDArray[np.uint64]:
     """Chains local block hashes into sequence hashes; `parent` continues an existing chain."""
@@ -284,6 +309,8 @@ class Router:
         output_tokens: int | None = None,
         explain: bool = False,
         worker: int | None = None,
+        identity: int | None = None,
+        workers: Sequence[int] | None = None,
     ) -> Decision: ...
     def prefill_done(self, request_id: RequestId, now: float | None = None) -> None: ...
     def finished(self, request_id: RequestId, now: float | None = None) -> None: ...
@@ -409,6 +436,8 @@ class DataPlane:
         self, worker: int, url: str, *, role: Literal["both", "prefill", "decode"] | str = "both", bootstrap_port: int | None = None
     ) -> None: ...
     def remove_worker(self, worker: int) -> bool: ...
+    def set_worker_models(self, worker: int, models: bytes | None) -> bool:
+        """The models a worker serves (its /v1/models answer as JSON bytes; None: not known)."""
     def set_healthy(self, worker: int, healthy: bool) -> bool: ...
     def mark_unhealthy(self, worker: int, reason: str) -> bool: ...
     def metrics_text(self) -> str: ...
@@ -463,7 +492,7 @@ class ExactPrompter:
     ValueError carries the client's 400 message for an invalid body."""
 
     def __new__(cls, path: str | os.PathLike[str], block_size: int = 64, *, seed: int = 1337) -> ExactPrompter: ...
-    def prompt(self, body: bytes, chat: bool) -> tuple[npt.NDArray[np.uint64], int, int | None, bool]:
+    def prompt(self, body: bytes, chat: bool, *, lora: str | None = None) -> tuple[npt.NDArray[np.uint64], int, int | None, bool]:
         """(sequence hashes, num_tokens, output_tokens, exact); exact False: approximate hashes."""
     def token_ids(self, body: bytes, chat: bool) -> npt.NDArray[np.uint32] | None: ...
     def render_chat(self, body: bytes) -> str | None: ...
@@ -474,7 +503,9 @@ class ExactPrompter:
     @property
     def seed(self) -> int: ...
 
-def approx_prompt(body: bytes, chat: bool, block_size: int = 64, *, seed: int = 1337) -> tuple[npt.NDArray[np.uint64], int, int | None]:
+def approx_prompt(
+    body: bytes, chat: bool, block_size: int = 64, *, seed: int = 1337, lora: str | None = None
+) -> tuple[npt.NDArray[np.uint64], int, int | None]:
     """The data plane's approximate prompt of a raw request body (hashes, num_tokens, output_tokens);
     ValueError with the client's 400 message for an invalid body."""
 

@@ -70,7 +70,9 @@ class Prompter:
         self.block_size = block_size
         self.seed = seed
 
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
+    def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
+        """``lora``: the LoRA adapter serving the request (its ``model`` when that names an adapter);
+        with the body's ``cache_salt`` it keys the blocks, as the engine keys them."""
         raise NotImplementedError
 
 
@@ -87,9 +89,9 @@ class ApproxPrompter(Prompter):
             raise ValueError(f"bytes_per_token must be {BYTES_PER_TOKEN} (the gateway's), got {bytes_per_token}")
         self.bytes_per_token = bytes_per_token
 
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
+    def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
         try:
-            hashes, num_tokens, output_tokens = approx_prompt(_raw(body), chat, self.block_size, seed=self.seed)
+            hashes, num_tokens, output_tokens = approx_prompt(_raw(body), chat, self.block_size, seed=self.seed, lora=lora)
         except ValueError as e:
             raise _bad(e) from None
         return Prompt(hashes, num_tokens, output_tokens)
@@ -113,9 +115,9 @@ class ExactPrompter(Prompter):
     def template_unsupported(self) -> str | None:
         return self._rust.template_unsupported
 
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
+    def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
         try:
-            hashes, num_tokens, output_tokens, exact = self._rust.prompt(_raw(body), chat)
+            hashes, num_tokens, output_tokens, exact = self._rust.prompt(_raw(body), chat, lora=lora)
         except ValueError as e:
             raise _bad(e) from None
         return Prompt(hashes, num_tokens, output_tokens, exact)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvroute._core import block_hashes
+from kvroute._core import block_hashes, identity_root
 from kvroute.prompt import BadRequest, Prompt, Prompter
 
 __all__ = ["ApproxReference", "ExactReference"]
@@ -28,17 +28,44 @@ def _output_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+def _is_text(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text"
+
+
 def _message_text(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        # OpenAI content parts; non-text parts (images) contribute their JSON so they still key the cache.
-        return "".join(
-            p.get("text", "") if isinstance(p, dict) and p.get("type") == "text" else json.dumps(p, sort_keys=True) for p in content
-        )
+        # OpenAI content parts; non-text parts (media) are written as their JSON (they count in the
+        # prompt's length; the hashes stop where the first one begins, see ApproxReference.prompt).
+        return "".join(p.get("text", "") if _is_text(p) else json.dumps(p, sort_keys=True) for p in content)
     raise BadRequest(f"message content must be a string or a list of content parts, got {type(content).__name__}")
+
+
+def _media_at(msgs: list[dict[str, Any]]) -> int | None:
+    """Where in the approximate chat text the first media part (a non-text content part) begins."""
+    at = 0
+    for m in msgs:
+        at += len(f"<|{m['role']}|>".encode())
+        content = m.get("content")
+        if isinstance(content, list):
+            for p in content:
+                if not _is_text(p):
+                    return at
+                at += len(_message_text([p]).encode("utf-8", "surrogatepass"))
+        else:
+            at += len(_message_text(content).encode("utf-8", "surrogatepass"))
+        at += 1
+    return None
+
+
+def _identity(body: dict[str, Any], lora: str | None) -> int | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest(f"cache_salt must be a string, got {type(salt).__name__}")
+    return identity_root(lora=lora, cache_salt=salt)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -70,8 +97,8 @@ def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
 class ReferencePrompter(Prompter):
     """kvroute.prompt's base, hashing the reference's token ids with kvroute's block hashes."""
 
-    def _hash(self, tokens: npt.NDArray[np.uint32] | list[int]) -> npt.NDArray[np.uint64]:
-        return block_hashes(tokens, self.block_size, seed=self.seed)
+    def _hash(self, tokens: npt.NDArray[np.uint32] | list[int], identity: int | None = None) -> npt.NDArray[np.uint64]:
+        return block_hashes(tokens, self.block_size, seed=self.seed, identity=identity)
 
 
 class ApproxReference(ReferencePrompter):
@@ -94,11 +121,15 @@ class ApproxReference(ReferencePrompter):
             raw += b"\0" * pad
         return np.frombuffer(raw, dtype=self._dtype).astype(np.uint32, copy=False)
 
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
+    def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
+        keyed = None
         if chat:
             # Role and content, in order: a conversation's earlier turns are a byte prefix of its later ones.
-            text = "".join(f"<|{m['role']}|>{_message_text(m.get('content'))}\n" for m in _messages(body))
+            msgs = _messages(body)
+            text = "".join(f"<|{m['role']}|>{_message_text(m.get('content'))}\n" for m in msgs)
             toks: Any = self.text_tokens(text)
+            cut = _media_at(msgs)
+            keyed = None if cut is None else cut // self.bytes_per_token
         else:
             p = _completion_prompt(body)
             toks = self.text_tokens(p) if isinstance(p, str) else np.asarray(p, dtype=np.uint64)
@@ -106,7 +137,8 @@ class ApproxReference(ReferencePrompter):
                 raise BadRequest("token ids must be in 0..2**32")
         if len(toks) == 0:
             raise BadRequest("empty prompt")
-        return Prompt(self._hash(toks), len(toks), _output_tokens(body))
+        out = _output_tokens(body)
+        return Prompt(self._hash(toks[:keyed], _identity(body, lora)), len(toks), out)
 
 
 class ExactReference(ReferencePrompter):
@@ -178,13 +210,19 @@ class ExactReference(ReferencePrompter):
     def encode(self, text: str, add_special_tokens: bool) -> npt.NDArray[np.uint32]:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.uint32)
 
-    def prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
+    def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
         if chat:
             # The template already carries the special tokens (vLLM and SGLang encode without adding them).
-            toks: Any = self.encode(self.render_chat(body), add_special_tokens=False)
+            text = self.render_chat(body)
+            if any(isinstance(m.get("content"), list) and not all(_is_text(p) for p in m["content"]) for m in _messages(body)):
+                # Media: routed on the approximate text prefix before it (not reproducible exactly).
+                p = ApproxReference(self.block_size, self.seed).prompt(body, chat, lora=lora)
+                return Prompt(p.hashes, p.num_tokens, p.output_tokens, exact=False)
+            toks: Any = self.encode(text, add_special_tokens=False)
         else:
             p = _completion_prompt(body)
             toks = self.encode(p, add_special_tokens=True) if isinstance(p, str) else np.asarray(p, dtype=np.uint64)
         if len(toks) == 0:
             raise BadRequest("empty prompt")
-        return Prompt(self._hash(toks), len(toks), _output_tokens(body))
+        out = _output_tokens(body)
+        return Prompt(self._hash(toks, _identity(body, lora)), len(toks), out)
