@@ -23,8 +23,9 @@ def bed() -> Iterator[vllm_bed.Bed]:
 
 @pytest.fixture(scope="session")
 def engines(bed: vllm_bed.Bed) -> Iterator[list[vllm_bed.Engine]]:
-    """Two engines, 32 blocks of 32 tokens each (small, so a workload evicts)."""
-    with bed.running(2, num_blocks=32) as es:
+    """Two engines, 32 blocks of 32 tokens each (small, so a workload evicts), serving the base
+    model and the bed's two LoRA adapters (``Bed.adapters``: tenant-a, tenant-b)."""
+    with bed.running(2, num_blocks=32, loras=bed.adapters()) as es:
         yield es
 
 

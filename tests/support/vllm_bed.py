@@ -5,6 +5,7 @@ Importable (tests/e2e/, benchmarks, later integrations) and a small CLI:
 
     python tests/support/vllm_bed.py model DIR           # builds the tiny model directory (deterministic)
     python tests/support/vllm_bed.py up --engines 2      # starts engines, prints their URLs, stops them on Ctrl-C
+    python tests/support/vllm_bed.py up --loras          # the same, serving the bed's two LoRA adapters too
 
 The bed lives in ``$KVROUTE_E2E_BED`` (default ``<checkout>/.bed``), built by ``tests/e2e/build_bed.sh``:
 ``venv/`` (vLLM's CPU build, kvroute, openai) and ``model/``. Only the standard library is needed to
@@ -34,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ADAPTER_NAMES",
     "BLOCK_SIZE",
+    "MAX_LORA_RANK",
     "MODEL_NAME",
     "Bed",
     "BedError",
@@ -53,6 +56,9 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32  # the CPU backend wants a multiple of 32
 VOCAB_SIZE = 4096
+# The bed's LoRA adapters (``Bed.adapters``): tiny seeded PEFT adapters on q_proj/v_proj, rank 8.
+ADAPTER_NAMES = ("tenant-a", "tenant-b")
+MAX_LORA_RANK = 8
 
 # ChatML with a BOS in front; the tokenizer's post-processor adds the same BOS to completions prompts.
 CHAT_TEMPLATE = (
@@ -355,6 +361,9 @@ class Engine(_Server):
     max_model_len: int | None = None  # default: what the cache holds (one block is vLLM's null block), at most 1024
     extra_args: Sequence[str] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
+    # LoRA adapters served beside the base model (name -> PEFT adapter directory, e.g. ``Bed.adapters()``):
+    # ``--enable-lora --max-loras N --max-lora-rank 8 --lora-modules name=path ...``; None: no LoRA flags at all.
+    loras: dict[str, Path] | None = None
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -409,7 +418,22 @@ class Engine(_Server):
             "--enforce-eager",
             "--kv-events-config",
             json.dumps(kv_events),
+            *self.lora_args(),
             *self.extra_args,
+        ]
+
+    def lora_args(self) -> list[str]:
+        """The LoRA flags for ``loras`` (none when it is None or empty)."""
+        if not self.loras:
+            return []
+        return [
+            "--enable-lora",
+            "--max-loras",
+            str(max(2, len(self.loras))),
+            "--max-lora-rank",
+            str(MAX_LORA_RANK),
+            "--lora-modules",
+            *(f"{name}={Path(path).resolve()}" for name, path in self.loras.items()),
         ]
 
     def start(self) -> Engine:
@@ -502,6 +526,7 @@ class Gateway(_Server):
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     prefill: Sequence[Engine] = ()  # PD mode: these of ``engines`` prefill (--prefill), the others decode (--decode)
+    alarm_expected: bool = False  # a deliberately misconfigured gateway: its self-check alarm is not a failure
 
     def argv(self) -> list[str]:
         out = [str(self.bed.python), "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
@@ -517,6 +542,13 @@ class Gateway(_Server):
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         self._stop(sig, timeout)
+        # A correctly configured gateway's self-check never raises its alarm: this run's log (after
+        # its "====" header line) has no alarm.
+        if not self.alarm_expected and self.log_path.exists():
+            run_log = self.log_path.read_text(errors="replace").rsplit("\n==== ", 1)[-1]
+            alarms = [line for line in run_log.splitlines() if "kvroute self-check" in line]
+            if alarms:
+                raise BedError(f"{self.name}: the self-check raised its alarm: {alarms[0]}")
 
 
 @dataclass(eq=False)
@@ -579,6 +611,26 @@ class Bed:
         if not (self.model / "config.json").exists():
             return f"no model at {self.model} (rerun tests/e2e/build_bed.sh)"
         return None
+
+    def adapters(self, names: Sequence[str] = ADAPTER_NAMES, rank: int = MAX_LORA_RANK) -> dict[str, Path]:
+        """LoRA adapters for the bed's model, one per name (seeded by its position: 1, 2, ...), in
+        ``<bed>/adapters/<name>``; made once, reused while their config matches. For ``loras=``."""
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        try:
+            from lora import make_adapter
+        finally:
+            sys.path.pop(0)
+        out: dict[str, Path] = {}
+        for seed, name in enumerate(names, start=1):
+            d = self.root / "adapters" / name
+            try:
+                ok = json.loads((d / "adapter_config.json").read_text())["r"] == rank and (d / "adapter_model.safetensors").exists()
+            except (OSError, ValueError, KeyError):
+                ok = False
+            if not ok:
+                make_adapter(self.model, d, rank=rank, seed=seed)
+            out[name] = d
+        return out
 
     def engine(self, name: str | None = None, **kw: Any) -> Engine:
         e = Engine(self, name or f"engine{len(self.engines)}", **kw)
@@ -653,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     u = sub.add_parser("up", help="start engines until Ctrl-C")
     u.add_argument("--engines", type=int, default=2)
     u.add_argument("--num-blocks", type=int, default=64)
+    u.add_argument("--loras", action="store_true", help=f"serve the bed's LoRA adapters too ({', '.join(ADAPTER_NAMES)})")
     a = p.parse_args(argv)
     if a.cmd == "model":
         print(build_model(a.dir))
@@ -662,7 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"vllm_bed: {why}", file=sys.stderr)
         return 2
-    with bed.running(a.engines, num_blocks=a.num_blocks) as engines:
+    loras = bed.adapters() if a.loras else None
+    with bed.running(a.engines, num_blocks=a.num_blocks, loras=loras) as engines:
         for e in engines:
             print(f"{e.name}: {e.url} events={e.events} replay={e.replay} log={e.log_path}", flush=True)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -44,8 +45,21 @@ class WorkerConfig:
     #: what the default policy ("capacity") charges evictions against; None: read from the engine's
     #: /metrics (vLLM's ``cache_config_info``) when ``metrics_interval`` polls it, else not charged.
     prefix_cache_blocks: int | None = None
+    #: The models the engine serves (its base model and LoRA adapters, as its /v1/models names them);
+    #: None: read from its /v1/models every ``models_interval``. Requests naming a model go only to
+    #: workers serving it.
+    models: tuple[str, ...] | None = None
+    #: Which of ``models`` are LoRA adapters (their blocks are keyed by the adapter).
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.models is not None:
+            object.__setattr__(self, "models", tuple(self.models))
+            if not self.models or not all(isinstance(m, str) and m for m in self.models):
+                raise ValueError(f"worker models must be a non-empty list of model names, got {self.models!r}")
+        object.__setattr__(self, "adapters", tuple(self.adapters))
+        if self.adapters and not set(self.adapters) <= set(self.models or ()):
+            raise ValueError(f"worker adapters must be among its models, got {self.adapters!r} (models {self.models!r})")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"worker url must be http(s)://host[:port], got {self.url!r}")
@@ -80,6 +94,7 @@ class GatewayConfig:
     health_timeout: float = 2.0
     metrics_interval: float = 0.0  # poll engines' /metrics every this many seconds (0: off)
     models: tuple[str, ...] = ()  # /v1/models fallback when no worker answers
+    models_interval: float = 30.0  # re-read each worker's /v1/models (its model pool) every S seconds (0: no pools)
     ca_file: str | None = None  # extra PEM certificates trusted for https:// workers
     threads: int = 1  # the data plane's runtime threads
 
@@ -94,6 +109,8 @@ class GatewayConfig:
         for name in ("connect_timeout", "read_timeout", "client_timeout", "health_interval", "health_timeout", "approx_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.models_interval < 0:
+            raise ValueError(f"models_interval must be >= 0 (0 turns model pools off), got {self.models_interval}")
         if self.metrics_interval < 0:
             raise ValueError(f"metrics_interval must be >= 0 (0 turns polling off), got {self.metrics_interval}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -201,7 +218,39 @@ class Gateway:
             self.fleet.remove(e.key)
             raise
         self.workers[w.id] = w
+        if wc.models is not None:
+            entries = [
+                {"id": m, "object": "model", "owned_by": "kvroute", "parent": "base" if m in wc.adapters else None} for m in wc.models
+            ]
+            self.plane.set_worker_models(w.id, json.dumps({"object": "list", "data": entries}).encode())
         return w
+
+    async def refresh_models(self, w: _Worker) -> bool:
+        """Reads a worker's /v1/models into its model pool (a configured list stays); False when it
+        did not answer with a model list (its last known list stays)."""
+        if w.cfg.models is not None or self.config.models_interval <= 0:
+            return True
+        assert self.session is not None
+        try:
+            async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
+                if r.status != 200:
+                    return False
+                body = await r.read()
+        except _NETWORK_ERRORS:
+            return False
+        if w.id not in self.workers:
+            return False
+        try:
+            self.plane.set_worker_models(w.id, body)
+        except ValueError as e:
+            log.warning("worker %s: its /v1/models answer is not a model list (%s); its pool is unchanged", w.url, e)
+            return False
+        return True
+
+    async def _models_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.models_interval)
+            await asyncio.gather(*(self.refresh_models(w) for w in list(self.workers.values()) if w.healthy))
 
     def remove_worker(self, wid: int) -> dict[str, Any]:
         """Forgets a worker (its requests in flight complete); returns its last row."""
@@ -242,6 +291,7 @@ class Gateway:
         try:
             while w.id in self.workers and not w.healthy:
                 if await self._healthy(w):
+                    await self.refresh_models(w)
                     self.fleet.register(w.engine)
                     self.plane.set_healthy(w.id, True)
                     log.warning("worker %s is healthy again", w.url)
@@ -327,6 +377,8 @@ class Gateway:
                 "decode_tokens_per_s",
                 "kv_capacity_blocks",
                 "prefix_cache_blocks",
+                "models",
+                "adapters",
             }
             extra = set(spec) - allowed
             if extra:
@@ -334,6 +386,7 @@ class Gateway:
             w = self.add_worker(WorkerConfig(**spec))
         except (ValueError, TypeError, KvrouteError) as e:
             return _error(400, f"cannot add worker: {e}", "invalid_request_error")
+        await self.refresh_models(w)
         return web.json_response(w.to_dict(), status=201)
 
     async def _admin_remove(self, request: web.Request) -> web.StreamResponse:
@@ -369,6 +422,9 @@ class Gateway:
                 # The engines' buffered history first (bounded by the replay timeout), so the first
                 # requests are routed on what the engines already cache.
                 await self.fleet.wait_synced_async(5.0)
+            if self.config.models_interval > 0:
+                # Each worker's models before the first request, so requests go to the right pool.
+                await asyncio.gather(*(self.refresh_models(w) for w in self.workers.values()))
             admin_port = await self._start_admin() if self.config.admin_token else None
             bound_host, bound_port = self.plane.start(host, port, admin_port=admin_port)
         except BaseException:
@@ -377,6 +433,8 @@ class Gateway:
         if self.config.metrics_interval > 0:
             self._tasks.append(self._loop.create_task(self._metrics_loop()))
         self._tasks.append(self._loop.create_task(self._watch_loop()))
+        if self.config.models_interval > 0:
+            self._tasks.append(self._loop.create_task(self._models_loop()))
         self.url = f"http://{bound_host}:{bound_port}"
         return self.url
 

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvroute.router_flags import add_router_flags, router_options
@@ -112,6 +113,21 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
+    s.add_argument(
+        "--models-interval",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="re-read each worker's /v1/models (the models and LoRA adapters it serves; requests go only to workers "
+        "serving their model) every S seconds (default 30; 0: every worker serves every model)",
+    )
+    s.add_argument(
+        "--worker-models",
+        action="append",
+        default=[],
+        metavar="URL=MODEL[,MODEL...]",
+        help="the models a worker serves, instead of reading its /v1/models; write a LoRA adapter as lora:NAME (repeatable)",
+    )
     s.add_argument("--ca-file", metavar="PEM", help="extra CA certificates trusted for https:// workers (beside the system's)")
     s.add_argument("--threads", type=int, default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -166,16 +182,42 @@ def build_gateway(a: argparse.Namespace) -> Any:
         health_interval=a.health_interval,
         metrics_interval=a.metrics_interval,
         models=tuple(a.model),
+        models_interval=a.models_interval,
         ca_file=a.ca_file,
         threads=a.threads,
     )
+    served = _worker_models(a.worker_models, set(a.worker) | {p.url for p in prefill} | set(a.decode))
+
+    def models(url: str) -> dict[str, Any]:
+        names = served.get(url.rstrip("/"))
+        if names is None:
+            return {}
+        return {"models": tuple(n.removeprefix("lora:") for n in names), "adapters": tuple(n[5:] for n in names if n.startswith("lora:"))}
+
+    prefill = [replace(p, **models(p.url)) for p in prefill]
     return make_gateway(
         router,
-        [WorkerConfig(u, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb) for u in a.worker],
+        [WorkerConfig(u, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb, **models(u)) for u in a.worker],
         prefill=prefill,
-        decode=[WorkerConfig(u, role="decode", prefill_tokens_per_s=tps) for u in a.decode],
+        decode=[WorkerConfig(u, role="decode", prefill_tokens_per_s=tps, **models(u)) for u in a.decode],
         config=cfg,
     )
+
+
+def _worker_models(specs: list[str], urls: set[str]) -> dict[str, list[str]]:
+    """``--worker-models URL=MODEL[,MODEL...]`` as url -> model names."""
+    known = {u.rstrip("/") for u in urls}
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        url, sep, names = spec.rpartition("=")
+        url = url.rstrip("/")
+        models = [n.strip() for n in names.split(",") if n.strip()]
+        if not sep or not url or not models or any(n == "lora:" for n in models):
+            raise argparse.ArgumentTypeError(f"--worker-models takes URL=MODEL[,MODEL...], got {spec!r}")
+        if url not in known:
+            raise argparse.ArgumentTypeError(f"--worker-models names {url}, which is not a configured worker")
+        out[url] = models
+    return out
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

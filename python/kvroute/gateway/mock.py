@@ -10,6 +10,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -65,7 +66,17 @@ class MockWorker:
         bootstrap_port: int = 8998,
         ssl_context: Any = None,
         cache_config: tuple[int, int] | None = None,
+        models: tuple[str, ...] = ("mock",),
+        adapters: tuple[str, ...] = (),
     ) -> None:
+        #: The base model(s) it serves and its LoRA adapters (served too) (listed with ``parent``, as vLLM lists
+        #: them); a request naming another model gets vLLM's 404. Its prefix cache is keyed by the
+        #: adapter and the request's ``cache_salt``, as vLLM's is.
+        self.models = tuple(models)
+        self.adapters = tuple(adapters)
+        #: ``usage(body, prompt_tokens, cached_tokens) -> (prompt_tokens, cached_tokens)``: what the
+        #: answer's usage reports (tests of the gateway's self-check); None: the mock's own figures.
+        self.usage: Callable[[dict[str, Any], int, int], tuple[int, int]] | None = None
         #: (block_size, num_gpu_blocks) published as vLLM's ``vllm:cache_config_info`` on /metrics (None: not published).
         self.cache_config = cache_config
         self.name = name
@@ -133,10 +144,11 @@ class MockWorker:
 
     # ---- engine behaviour --------------------------------------------------------------
 
-    def _prefill(self, text: str) -> int:
-        """Looks the prompt's blocks up in the prefix cache, inserts them; returns uncached tokens."""
+    def _prefill(self, text: str, identity: str = "") -> tuple[int, int]:
+        """Looks the prompt's blocks up in the prefix cache (under its identity: adapter and salt),
+        inserts them; returns (prompt tokens, cached tokens)."""
         raw = text.encode()
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.blake2b(identity.encode(), digest_size=16)
         hit = 0
         missed = False
         n_blocks = len(raw) // self.block_bytes
@@ -155,7 +167,7 @@ class MockWorker:
         cached = min(tokens, hit * self.block_bytes // 4)
         self.prompt_tokens += tokens
         self.cached_tokens += cached
-        return tokens - cached
+        return tokens, cached
 
     def _words(self, text: str, n: int) -> list[str]:
         seed = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
@@ -174,6 +186,10 @@ class MockWorker:
                 return web.json_response({"error": {"message": f"{self.name}: injected failure"}}, status=self.fail_status)
             if "prompt" not in body and "messages" not in body:
                 return web.json_response({"error": {"message": "prompt or messages required"}}, status=400)
+            model = body.get("model")
+            if model is not None and model not in self.models + self.adapters:
+                err = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+                return web.json_response({"error": err}, status=404)
             resp = await self._serve(request, body)
             self.completed += 1
             return resp
@@ -198,7 +214,18 @@ class MockWorker:
                 except asyncio.TimeoutError:
                     return web.json_response({"error": {"message": f"bootstrap room {room}: no prefill arrived"}}, status=500)
         # With do_remote_prefill the KV arrives from the prefill worker: nothing to compute here.
-        uncached = 0 if ktp.get("do_remote_prefill") else self._prefill(text)
+        lora = body.get("model") if body.get("model") in self.adapters else None
+        identity = f"{lora or ''}\0{body.get('cache_salt') or ''}"
+        prompt_tokens, cached = (max(1, len(text) // 4), 0) if ktp.get("do_remote_prefill") else self._prefill(text, identity)
+        uncached = 0 if ktp.get("do_remote_prefill") else prompt_tokens - cached
+        if self.usage is not None:
+            prompt_tokens, cached = self.usage(body, prompt_tokens, cached)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "total_tokens": prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         if self.cost_per_token and uncached:
             await asyncio.sleep(uncached * self.cost_per_token)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
@@ -224,7 +251,7 @@ class MockWorker:
                 "created": created,
                 "model": "mock",
                 "choices": [{**choice, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": max(1, len(text) // 4), "completion_tokens": n},
+                "usage": {**usage, "completion_tokens": n, "total_tokens": prompt_tokens + n},
                 "served_by": self.name,
                 **extra,
             }
@@ -250,6 +277,17 @@ class MockWorker:
                 "choices": [delta],
             }
             sent.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(sent[-1])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            last = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": "mock",
+                "choices": [],
+            }
+            last["usage"] = {**usage, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+            sent.append(b"data: " + json.dumps(last).encode() + b"\n\n")
             await resp.write(sent[-1])
         sent.append(b"data: [DONE]\n\n")
         await resp.write(sent[-1])
@@ -283,7 +321,10 @@ class MockWorker:
         return web.Response(text=text)
 
     async def _models(self, _request: web.Request) -> web.StreamResponse:
-        return web.json_response({"object": "list", "data": [{"id": "mock", "object": "model", "owned_by": self.name}]})
+        data = [{"id": m, "object": "model", "owned_by": self.name, "root": m, "parent": None} for m in self.models]
+        base = data[0]["id"] if data else None
+        data += [{"id": a, "object": "model", "owned_by": self.name, "root": f"/adapters/{a}", "parent": base} for a in self.adapters]
+        return web.json_response({"object": "list", "data": data})
 
 
 async def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - used by benches/bench_gateway.py

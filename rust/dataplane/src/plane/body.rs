@@ -92,6 +92,13 @@ impl PlaneBody {
         PlaneBody { first: Some(data), upstream: None, read_timeout: None, timer: None, on_break: None, sse: None, down: None, hold: None }
     }
 
+    /// Shows the bytes on their way to the client to the self-check's usage tap, if any.
+    fn tap(&mut self, d: &[u8]) {
+        if let Some(tap) = self.hold.as_mut().and_then(|h| h._lease.as_mut()).and_then(|l| l.tap.as_mut()) {
+            tap.push(d);
+        }
+    }
+
     /// The body reached its end: a hold's admission counts as completed, its lease as finished.
     pub(super) fn finish(&mut self) {
         self.answered();
@@ -110,9 +117,6 @@ impl PlaneBody {
     /// Relays `d`, first noting whether it ends an SSE stream: with its answer complete, or cut short
     /// (no `finish_reason` before `data: [DONE]`), which the client is told in place of the `[DONE]`.
     pub(super) fn data(&mut self, d: Bytes) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        if let Some(tap) = self.hold.as_mut().and_then(|h| h._lease.as_mut()).and_then(|l| l.tap.as_mut()) {
-            tap.push(&d);
-        }
         let Some(s) = self.sse.as_mut() else { return Poll::Ready(Some(Ok(Frame::data(d)))) };
         match s.push(&d) {
             Some(_) if s.finished => self.answered(),
@@ -159,6 +163,7 @@ impl Body for PlaneBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
         if let Some(first) = this.first.take() {
+            this.tap(&first);
             if this.upstream.is_none() {
                 // The whole body: hyper may not poll again once the announced length is written.
                 this.finish();
@@ -178,7 +183,10 @@ impl Body for PlaneBody {
                         t.as_mut().reset(tokio::time::Instant::now() + rt);
                     }
                     match frame.into_data() {
-                        Ok(d) if !d.is_empty() => return this.data(d),
+                        Ok(d) if !d.is_empty() => {
+                            this.tap(&d);
+                            return this.data(d);
+                        }
                         _ => continue,
                     }
                 }

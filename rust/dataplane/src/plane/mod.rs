@@ -417,9 +417,14 @@ impl DataPlane {
     /// not reproducible exactly), or the 400 an invalid body gets.
     pub fn prompt(&self, body: &Value, chat: bool) -> Result<ApproxPrompt, BadRequest> {
         let sh = &self.shared;
+        // Keyed as the hot path keys it: by the adapter its model names in the workers' lists.
+        let lora = match sh.pool(body.get("model")) {
+            server::Pool::Of(_, lora) => lora,
+            _ => None,
+        };
         match &sh.exact {
-            Some(exact) => exact.routed_prompt(body, chat, None).map(|(p, _)| p),
-            None => approx_prompt(body, chat, sh.block_size, sh.seed, None),
+            Some(exact) => exact.routed_prompt(body, chat, lora.as_deref()).map(|(p, _)| p),
+            None => approx_prompt(body, chat, sh.block_size, sh.seed, lora.as_deref()),
         }
     }
 
