@@ -86,11 +86,11 @@ def _send(g: LiveGateway, what: str, body: dict[str, Any], rows: list[str], wait
 
 
 def _workload(n: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """``n`` requests over 3 shared prefixes, each to a model (base or an adapter) and with or
+    """``n`` requests over 2 shared prefixes, each to a model (base or an adapter) and with or
     without a salt, chat and completions: the same tokens recur under every identity."""
     rng = random.Random(seed)
     vocab = words()
-    prefixes = [f"Shared prompt {k}. " + " ".join(rng.choice(vocab) for _ in range(rng.randint(90, 140))) for k in range(3)]
+    prefixes = [f"Shared prompt {k}. " + " ".join(rng.choice(vocab) for _ in range(rng.randint(90, 140))) for k in range(2)]
     out = []
     for i in range(n):
         k = rng.randrange(len(prefixes))
@@ -141,7 +141,7 @@ def test_predictions_equal_vllm_cached_tokens_under_every_identity(live_engines:
         assert check["alarms"] == 0
         # The workload hits (each identity reuses its own KV) and overflows the 2 x 31-block caches.
         stats = g.gw.fleet.subscriber_stats() or {}
-        assert cross >= 15, "\n".join(rows)
+        assert cross >= 12, "\n".join(rows)
         assert stats.get("blocks_removed", 0) > 0, stats
     finally:
         g.close()
@@ -180,24 +180,23 @@ def _alarm_within(g: LiveGateway, bodies: list[dict[str, Any]], limit: int = 20)
 
 
 def _repeats(n: int) -> list[dict[str, Any]]:
-    """Requests over 2 prefixes, repeated: every one after the first two is a real cache hit."""
-    vocab = words()
-    prefixes = [f"Repeat {k}. " + " ".join(vocab[k * 50 : k * 50 + 120]) for k in range(2)]
-    return [{"model": MODEL_NAME, "prompt": prefixes[i % 2] + f" q{i}"} for i in range(n)]
+    """One long prefix with a new question each time: every request after the first is a real cache hit."""
+    prefix = "Repeat. " + " ".join(words()[:150])
+    return [{"model": MODEL_NAME, "prompt": prefix + f" q{i}"} for i in range(n)]
 
 
-def test_a_wrong_block_size_raises_the_alarm(live_engines: list[vllm_bed.Engine], capfd: Any) -> None:
+def test_a_wrong_block_size_raises_the_alarm(live_engines: list[vllm_bed.Engine]) -> None:
     g = LiveGateway(live_engines, tokenizer=live_engines[0].bed.model, block_size=16)
     try:
         n = _alarm_within(g, _repeats(20))
+        alarm = g.check["last_alarm"]
     finally:
         g.close()
-    err = capfd.readouterr().err
-    assert "WARNING kvroute self-check" in err and "block size is not the engines'" in err, err[-2000:]
-    print(f"alarm after {n} requests")
+    assert "block size is not the engines'" in alarm, alarm
+    print(f"alarm after {n} requests: {alarm}")
 
 
-def test_a_wrong_chat_template_raises_the_alarm(live_engines: list[vllm_bed.Engine], tmp_path: Path, capfd: Any) -> None:
+def test_a_wrong_chat_template_raises_the_alarm(live_engines: list[vllm_bed.Engine], tmp_path: Path) -> None:
     model = live_engines[0].bed.model
     wrong = tmp_path / "tokenizer"
     wrong.mkdir()
@@ -212,8 +211,8 @@ def test_a_wrong_chat_template_raises_the_alarm(live_engines: list[vllm_bed.Engi
             for i in range(20)
         ]
         n = _alarm_within(g, bodies)
+        alarm = g.check["last_alarm"]
     finally:
         g.close()
-    err = capfd.readouterr().err
-    assert "tokenizer or the chat template" in err, err[-2000:]
-    print(f"alarm after {n} requests")
+    assert "tokenizer or the chat template" in alarm, alarm
+    print(f"alarm after {n} requests: {alarm}")

@@ -14,13 +14,16 @@ host's candidate engines out (``kvroute.prompt`` + ``kvroute.integrations.lease`
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
-from kvroute._core import NoWorkersError, Router, router_parameters
+from kvroute._core import NoWorkersError, PrefixCheck, Router, router_parameters
 from kvroute.fleet import Engine, Fleet, check_prefix_cache_blocks
 from kvroute.integrations.lease import Lease, LeaseTable
 from kvroute.prompt import ApproxCache, Prompter, load_prompter
@@ -115,21 +118,41 @@ class EngineRouter:
         self.approx = ApproxCache(self.router.index, approx_ttl)
         self._lock = threading.RLock()
         self._failed_at: dict[str, float] = {}
+        #: Per engine key, the models it serves and which are LoRA adapters (``set_models``, or read
+        #: from its /v1/models by ``refresh_models``); an engine not in it may serve any model.
+        self._models: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        self._configured: set[str] = set()
+        #: The self-check: predicted against reported cached tokens (``check_usage``).
+        self.check = PrefixCheck()
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
 
     # ---- engines -----------------------------------------------------------------------
 
-    def add(self, key: str, url: str, *, kv_events: str | None = None, kv_events_replay: str | None = None) -> Engine:
+    def add(
+        self,
+        key: str,
+        url: str,
+        *,
+        kv_events: str | None = None,
+        kv_events_replay: str | None = None,
+        models: Iterable[str] | None = None,
+        adapters: Iterable[str] = (),
+    ) -> Engine:
         """Registers (or returns, when already registered the same way) the engine the host calls ``key``.
         Its prefix-cache size (unless given as ``prefix_cache_blocks``) and block size are read from
-        its /metrics by the poller (``metrics_interval``) or ``poll_metrics``."""
+        its /metrics by the poller (``metrics_interval``) or ``poll_metrics``; the models it serves
+        (``models``, with ``adapters`` among them naming its LoRA adapters) are read from its
+        /v1/models by the poller or ``refresh_models`` unless given here."""
         if kv_events and self.prompter.mode != "exact":
             raise ValueError(
                 f"engine {key!r}: KV events carry token ids, so they need exact mode (a tokenizer); "
                 "approximate mode learns the cache from its own decisions instead"
             )
-        return self.fleet.add(
+        if models is not None:
+            self.set_models(key, models, adapters)
+        known = self.fleet.get(key) is not None
+        e = self.fleet.add(
             key,
             url,
             kv_events=kv_events,
@@ -138,6 +161,44 @@ class EngineRouter:
             decode_tokens_per_s=self.decode_tokens_per_s,
             prefix_cache_blocks=self.prefix_cache_blocks,
         )
+        if not known and models is None:
+            # Its model list off the caller's thread (a host may add engines on its event loop).
+            threading.Thread(target=self.refresh_models, args=(e,), name="kvroute-models", daemon=True).start()
+        return e
+
+    def set_models(self, key: str, models: Iterable[str], adapters: Iterable[str] = ()) -> None:
+        """The models engine ``key`` serves (its base model and LoRA adapters, by the names the
+        engine serves them under) and which of them are adapters; kept until ``remove``."""
+        ms, ads = frozenset(models), frozenset(adapters)
+        if not ms or not all(isinstance(m, str) and m for m in ms):
+            raise ValueError(f"engine {key!r}: models must be a non-empty list of names, got {sorted(ms)!r}")
+        if not ads <= ms:
+            raise ValueError(f"engine {key!r}: adapters {sorted(ads - ms)} are not among its models")
+        with self._lock:
+            self._models[key] = (ms, ads)
+            self._configured.add(key)
+
+    def models(self, key: str) -> tuple[frozenset[str], frozenset[str]] | None:
+        """(models, adapters) engine ``key`` serves, None while not known."""
+        return self._models.get(key)
+
+    def refresh_models(self, engine: Engine, timeout: float = 2.0) -> bool:
+        """Reads the models an engine serves from its /v1/models (vLLM lists a LoRA adapter with its
+        base model as ``parent``); False when it did not answer with a model list (the last one
+        stays). Engines whose models were given (``set_models``) are not read."""
+        if engine.key in self._configured:
+            return True
+        try:
+            with urllib.request.urlopen(engine.url + "/v1/models", timeout=timeout) as r:  # noqa: S310 - the host's engine URL
+                data = json.loads(r.read())["data"]
+            ms = frozenset(str(m["id"]) for m in data)
+            ads = frozenset(str(m["id"]) for m in data if isinstance(m.get("parent"), str))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        with self._lock:
+            if self.fleet.get(engine.key) is not None and ms:
+                self._models[engine.key] = (ms, ads)
+        return True
 
     def remove(self, key: str) -> None:
         """Forgets an engine: its open leases are released (as failed) and its cache state dropped."""
@@ -145,6 +206,8 @@ class EngineRouter:
             e = self.fleet.remove(key)
             if e is None:
                 return
+            self._models.pop(key, None)
+            self._configured.discard(key)
             self._failed_at.pop(key, None)
             self.leases.release_worker(e.worker)
             self.approx.drop_worker(e.worker)
@@ -187,32 +250,73 @@ class EngineRouter:
         candidates: Iterable[str] | None = None,
         exclude: Iterable[str] = (),
         ticket: str | None = None,
+        *,
+        model: str | None = None,
     ) -> Lease:
         """Routes one OpenAI request body among ``candidates`` (engine keys; default all) minus
         ``exclude`` (what this request already failed on) and leases the choice.
 
-        Engines cooling down after a failure are skipped while any other candidate remains. Raises
-        ``kvroute.prompt.BadRequest`` for a body that is not a completions / chat request,
-        ``NoCandidates`` when no candidate is registered and not excluded."""
-        prompt = self.prompter.prompt(body, chat)
+        ``model``: the name the engines serve the request under (default: the body's ``model``; a
+        host that renames models, as LiteLLM's deployments do, passes the engine's name). Only
+        engines serving it are candidates (engines whose models are not known may serve any); when
+        it names a LoRA adapter, the prompt is keyed by it, and by the body's ``cache_salt``, as the
+        engine keys its KV. Engines cooling down after a failure are skipped while any other
+        candidate remains. Raises ``kvroute.prompt.BadRequest`` for a body that is not a completions
+        / chat request, ``NoCandidates`` when no candidate is registered, serves the model and is
+        not excluded."""
+        served = model if model is not None else body.get("model") if isinstance(body.get("model"), str) else None
         excluded = set(exclude)
+        lora = None
         with self._lock:
             engines = {e.key: e for e in self.fleet.engines()}
             keys = list(engines) if candidates is None else list(candidates)
             pool = [engines[k] for k in keys if k in engines and k not in excluded]
             if not pool:
                 raise NoCandidates(f"no routable engine among {sorted(set(keys))} (excluded: {sorted(excluded)})")
+            if served is not None and any(e.key in self._models for e in pool):
+                pool = [e for e in pool if e.key not in self._models or served in self._models[e.key][0]]
+                if not pool:
+                    raise NoCandidates(f"no candidate engine serves model {served!r}")
+                if any(served in self._models[e.key][1] for e in pool if e.key in self._models):
+                    lora = served
             warm = [e for e in pool if not self.cooling_down(e.key)]
             allowed = {e.worker for e in (warm or pool)}
             everyone = len(allowed) == len(engines)
+        prompt = self.prompter.prompt(body, chat, lora=lora)
         now = self.clock()
         lease = self.leases.open(prompt.hashes, prompt.num_tokens, prompt.output_tokens, None if everyone else allowed, ticket)
+        if self.prompter.mode == "exact" and prompt.exact:
+            lease.routed_tokens = prompt.num_tokens
         with self._lock:  # the engine table may change under us
             self.approx.expire(now)
             e = self.fleet.of_worker(lease.worker)
             if e is not None and not e.kv_events:
                 self.approx.insert(lease.worker, prompt.hashes, now)
         return lease
+
+    def check_usage(self, lease: Lease, usage: Any) -> str | None:
+        """The router checks itself: compares the overlap it predicted for ``lease`` with what the
+        engine reports it reused (``usage``: the response's usage, a mapping or an object with
+        ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``; vLLM reports them with
+        ``--enable-prompt-tokens-details``). Returns the outcome ("match", "over", "under",
+        "prompt_length"), or None when there is nothing to compare (no usage figures, or an
+        approximate prompt whose tokens are not the engine's). Too many mismatches over the last
+        requests log one warning naming the likely cause (``check``; docs/events.md)."""
+        prompt_tokens, cached = _usage_figures(usage)
+        if prompt_tokens is None or cached is None or lease.routed_tokens is None or cached > prompt_tokens:
+            return None
+        outcome, alarm = self.check.observe(
+            lease.worker,
+            lease.decision.overlap_blocks,
+            self.block_size,
+            prompt_tokens,
+            cached,
+            routed_tokens=lease.routed_tokens,
+            indexed_blocks=self.router.index.num_blocks(lease.worker),
+        )
+        if alarm is not None:
+            log.warning("%s", alarm)
+        return outcome
 
     # ---- background: KV events and engine load ----------------------------------------
 
@@ -275,4 +379,20 @@ class EngineRouter:
                 if self._stop.is_set():
                     break
                 self.poll_metrics(e)
+                self.refresh_models(e)
             self._stop.wait(self.metrics_interval)
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
+def _usage_figures(usage: Any) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) of an OpenAI usage object or mapping, None where absent."""
+    if usage is None:
+        return None, None
+    prompt = _field(usage, "prompt_tokens")
+    details = _field(usage, "prompt_tokens_details")
+    cached = None if details is None else _field(details, "cached_tokens")
+    ok = [v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None for v in (prompt, cached)]
+    return ok[0], ok[1]

@@ -60,6 +60,9 @@ class Lease:
     outcome: Outcome | None = field(default=None)
     #: When the Router expected the first token (its clock, ``Router.clock()``): routed at plus ``decision.predicted_ttft``.
     first_token_due: float = float("inf")
+    #: The prompt length the router counted when its tokens are the engine's (exact mode), else None:
+    #: the self-check (``EngineRouter.check_usage``) compares it with the engine's ``prompt_tokens``.
+    routed_tokens: int | None = None
 
     @property
     def released(self) -> bool:
@@ -109,9 +112,10 @@ class LeaseTable:
         """Routes one request and leases its load until it is released.
 
         ``allowed`` restricts the choice to these workers (a host's healthy list minus the ones a
-        retry already failed on): when the Router's pick is outside it, that decision is taken back
-        and the request is pinned to the allowed worker the same decision scored best. Raises
-        ``NoWorkersError`` when no allowed worker is registered, ``RequestRejected`` on rejection.
+        retry already failed on, the engines serving the request's model): the Router chooses among
+        them (``Router.route(workers=)``). ``identity`` (``kvroute.identity_root``) is not needed
+        here: ``hashes`` carry it. Raises ``NoWorkersError`` when no allowed worker is registered,
+        ``RequestRejected`` on rejection.
         """
         self.expire()
         rid = ticket if ticket is not None else f"kvroute-{next(_tickets)}"
@@ -123,15 +127,8 @@ class LeaseTable:
             if not allowed:
                 raise NoWorkersError("none of the allowed workers is registered with the router")
         now = self.router.clock()  # one instant for the decision and its first token's due time
-        d = self.router.route(
-            hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, explain=allowed is not None, now=now
-        )
-        if allowed is not None and d.worker not in allowed:
-            if d.admitted:
-                self.router.cancel(rid)
-            scores = [s for s in d.explain or [] if s["worker"] in allowed]
-            best = min(scores, key=lambda s: (s["score"], s["in_flight"], s["worker"]))["worker"] if scores else min(allowed)
-            d = self.router.route(hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, worker=best, now=now)
+        pool = None if allowed is None else sorted(allowed)
+        d = self.router.route(hashes=hashes, num_tokens=num_tokens, output_tokens=output_tokens, request_id=rid, now=now, workers=pool)
         if not d.admitted:
             raise RequestRejected(d)
         lease = Lease(rid, d.worker, d, self.clock(), first_token_due=now + d.predicted_ttft)

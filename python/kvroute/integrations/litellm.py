@@ -49,6 +49,24 @@ def _deployment_id(d: Mapping[str, Any]) -> str:
     return did
 
 
+#: LiteLLM provider prefixes of OpenAI-compatible engines: ``hosted_vllm/tenant-a`` is served as ``tenant-a``.
+_PROVIDERS = ("hosted_vllm", "openai", "text-completion-openai", "custom_openai", "vllm", "sglang")
+
+
+def _served_model(candidates: Mapping[str, Any]) -> str | None:
+    """The model name the candidates' engines serve the request under (their ``litellm_params.model``
+    without the provider prefix), when they agree; None otherwise (routed without a model pool)."""
+    names = set()
+    for d in candidates.values():
+        params = d.get("litellm_params") or {}
+        m = params.get("model") if isinstance(params, Mapping) else None
+        if not isinstance(m, str):
+            return None
+        prefix, sep, rest = m.partition("/")
+        names.add(rest if sep and prefix in _PROVIDERS else m)
+    return names.pop() if len(names) == 1 else None
+
+
 def _engine_url(api_base: str) -> str:
     """An OpenAI ``api_base`` (``http://host:port/v1``) to the engine's root, where /metrics lives."""
     base = api_base.rstrip("/")
@@ -125,12 +143,13 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
                 tried.add(prev["deployment_id"])
         for key in ("_retry_skipped_deployment_ids", "_excluded_deployment_ids"):
             tried.update(str(x) for x in request_kwargs.get(key) or ())
+        served = _served_model(candidates)
         try:
             body, chat = _body(messages, input, request_kwargs)
-            lease = self.engines.lease(body, chat, candidates=candidates, exclude=tried)
+            lease = self.engines.lease(body, chat, candidates=candidates, exclude=tried, model=served)
         except NoCandidates:
             # Every healthy deployment was tried: LiteLLM keeps retrying, so may we (fresh engines first).
-            lease = self.engines.lease(body, chat, candidates=candidates)
+            lease = self.engines.lease(body, chat, candidates=candidates, model=served)
         except BadRequest as e:
             # Not a prompt kvroute can read (an embedding, an image): leave the choice to load alone.
             log.debug("kvroute cannot read this request (%s); routing on load only", e)
@@ -153,7 +172,7 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
 
     # ---- outcomes --------------------------------------------------------------------------
 
-    def _settle(self, kwargs: Mapping[str, Any], success: bool) -> None:
+    def _settle(self, kwargs: Mapping[str, Any], success: bool, response_obj: Any = None) -> None:
         params = kwargs.get("litellm_params") or {}
         metadata = params.get("metadata") or {}
         held = metadata.get(LEASES_KEY) if isinstance(metadata, Mapping) else None
@@ -165,18 +184,22 @@ class KvrouteCallback(CustomLogger):  # type: ignore[misc,unused-ignore]
         if ticket is None or not isinstance(did, str):
             return
         if success:
+            lease = self.engines.leases.get(ticket)
+            if lease is not None:
+                # The router checks itself against what the engine reported reusing.
+                self.engines.check_usage(lease, getattr(response_obj, "usage", None) if response_obj is not None else None)
             self.engines.leases.finish(ticket)
         elif self.engines.leases.fail(ticket):
             self.engines.mark_failed(did)
 
     async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._settle(kwargs, success=True)
+        self._settle(kwargs, success=True, response_obj=response_obj)
 
     async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
         self._settle(kwargs, success=False)
 
     def log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._settle(kwargs, success=True)
+        self._settle(kwargs, success=True, response_obj=response_obj)
 
     def log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
         self._settle(kwargs, success=False)

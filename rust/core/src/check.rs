@@ -82,7 +82,7 @@ pub struct CheckSnapshot {
 #[derive(Clone, Copy)]
 struct Seen {
     outcome: Outcome,
-    /// An `Under` on a worker whose index was empty.
+    /// A mismatch on a worker for which the index held no block (no KV events applied).
     empty_index: bool,
 }
 
@@ -91,6 +91,8 @@ struct Inner {
     snap: CheckSnapshot,
     /// An example of the last mismatch, for the alarm's message.
     example: Option<(Observation, u64)>,
+    /// The last alarm's message.
+    last_alarm: Option<String>,
 }
 
 /// The self-check: feed it every checked request; it says when to raise the alarm.
@@ -107,7 +109,7 @@ impl PrefixCheck {
         if window == 0 || threshold == 0 || threshold > window {
             return Err(format!("the self-check needs 1 <= threshold <= window, got threshold {threshold}, window {window}"));
         }
-        let inner = Inner { recent: VecDeque::with_capacity(window), snap: CheckSnapshot::default(), example: None };
+        let inner = Inner { recent: VecDeque::with_capacity(window), snap: CheckSnapshot::default(), example: None, last_alarm: None };
         Ok(PrefixCheck { window, threshold, inner: Mutex::new(inner) })
     }
 
@@ -134,7 +136,7 @@ impl PrefixCheck {
         if g.recent.len() == self.window {
             g.recent.pop_front();
         }
-        g.recent.push_back(Seen { outcome, empty_index: outcome == Outcome::Under && o.indexed_blocks == 0 });
+        g.recent.push_back(Seen { outcome, empty_index: outcome != Outcome::Match && o.indexed_blocks == 0 });
         let bad = g.recent.iter().filter(|s| s.outcome != Outcome::Match).count();
         if g.snap.alarmed {
             if bad * 2 < self.threshold {
@@ -147,11 +149,18 @@ impl PrefixCheck {
         }
         g.snap.alarmed = true;
         g.snap.alarms += 1;
-        (outcome, Some(self.message(&g, bad)))
+        let msg = self.message(&g, bad);
+        g.last_alarm = Some(msg.clone());
+        (outcome, Some(msg))
     }
 
     pub fn snapshot(&self) -> CheckSnapshot {
         self.inner.lock().snap
+    }
+
+    /// The last alarm's message (None before the first).
+    pub fn last_alarm(&self) -> Option<String> {
+        self.inner.lock().last_alarm.clone()
     }
 
     fn message(&self, g: &Inner, bad: usize) -> String {
@@ -162,8 +171,8 @@ impl PrefixCheck {
             "the router's prompt tokens are not the engines': the tokenizer or the chat template differs. Check that \
              --tokenizer names the engines' own tokenizer.json (with its tokenizer_config.json and chat template beside it); \
              compare the engine's POST /tokenize with kvroute.prompt.ExactPrompter(...).token_ids(body, chat)"
-        } else if under >= over && empty * 2 >= under {
-            "the index holds nothing for workers whose engines reuse KV: KV events are missing, or the router's block \
+        } else if empty * 2 >= over + under {
+            "the index holds no KV-event block for the workers these requests went to: KV events are missing, or the router's block \
              size is not the engines' (events of another block size are skipped). Check --block-size against the \
              engines' --block-size and the --kv-events endpoints (the event subscriber's stats count skipped events)"
         } else if under > over {
@@ -251,6 +260,11 @@ mod tests {
         let msgs: Vec<String> = (0..8).filter_map(|_| c.observe(&Observation { indexed_blocks: 0, ..obs(0, 96) }).1).collect();
         assert_eq!(msgs.len(), 1);
         assert!(msgs[0].contains("KV events are missing"), "{}", msgs[0]);
+        // Predictions from routed prefixes alone (pending, never confirmed by events): the events.
+        let c = PrefixCheck::new(20, 8).unwrap();
+        let msgs: Vec<String> = (0..8).filter_map(|_| c.observe(&Observation { indexed_blocks: 0, ..obs(3, 64) }).1).collect();
+        assert!(msgs[0].contains("KV events are missing"), "{}", msgs[0]);
+        assert_eq!(c.last_alarm().as_deref(), Some(msgs[0].as_str()));
         let c = PrefixCheck::new(20, 8).unwrap();
         let msgs: Vec<String> = (0..8).filter_map(|_| c.observe(&obs(3, 0)).1).collect();
         assert!(msgs[0].contains("LoRA adapter, cache_salt"), "{}", msgs[0]);

@@ -60,11 +60,11 @@ impl PyPrefixCheck {
 
     /// The counters: requests per outcome, error tokens, alarms, whether the alarm is up.
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        snapshot_dict(py, &self.inner.snapshot())
+        snapshot_dict(py, &self.inner.snapshot(), self.inner.last_alarm())
     }
 }
 
-pub(crate) fn snapshot_dict<'py>(py: Python<'py>, s: &CheckSnapshot) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn snapshot_dict<'py>(py: Python<'py>, s: &CheckSnapshot, last_alarm: Option<String>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let outcomes = PyDict::new(py);
     for o in Outcome::ALL {
@@ -75,6 +75,7 @@ pub(crate) fn snapshot_dict<'py>(py: Python<'py>, s: &CheckSnapshot) -> PyResult
     d.set_item("under_tokens", s.under_tokens)?;
     d.set_item("alarms", s.alarms)?;
     d.set_item("alarmed", s.alarmed)?;
+    d.set_item("last_alarm", last_alarm)?;
     Ok(d)
 }
 

@@ -250,7 +250,7 @@ impl PyDataPlane {
         d.set_item("routing_counts", m.routing_counts)?;
         d.set_item("routing_sum", m.routing_sum)?;
         d.set_item("routing_count", m.routing_count)?;
-        d.set_item("prefix_check", crate::check::snapshot_dict(py, &self.inner.check())?)?;
+        d.set_item("prefix_check", crate::check::snapshot_dict(py, &self.inner.check(), self.inner.check_last_alarm())?)?;
         Ok(d)
     }
 

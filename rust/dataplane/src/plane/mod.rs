@@ -375,6 +375,11 @@ impl DataPlane {
         self.shared.check.snapshot()
     }
 
+    /// The self-check's last alarm message.
+    pub fn check_last_alarm(&self) -> Option<String> {
+        self.shared.check.last_alarm()
+    }
+
     /// Takes a worker out of routing as a failed dispatch does (the owner's health probe failed):
     /// removed from the Router, its approximate blocks dropped, its streams in flight ended, the
     /// owner told through the unhealthy hook. False when unknown or already unhealthy.
