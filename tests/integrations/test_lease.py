@@ -103,7 +103,7 @@ def test_abandoned_lease_expires_after_ttl() -> None:
     assert leases.counts["expired"] == 2 and leases.counts["duplicates"] == 1
 
 
-def test_allowed_pins_to_the_best_allowed_worker() -> None:
+def test_allowed_restricts_the_routers_choice() -> None:
     r = _router(3)
     h = _hashes(6)
     r.index.store(0, h)
@@ -114,7 +114,7 @@ def test_allowed_pins_to_the_best_allowed_worker() -> None:
     assert lease.worker == 1, "the allowed worker with the longer prefix"
     with pytest.raises(kvroute.NoWorkersError):
         leases.open(h, num_tokens=128, allowed={7})
-    assert r.num_in_flight == 2, "the decision outside `allowed` was taken back"
+    assert r.num_in_flight == 2, "one decision per lease"
 
 
 def test_rejection_leases_nothing() -> None:

@@ -189,7 +189,7 @@ class EngineRouter:
         if engine.key in self._configured:
             return True
         try:
-            with urllib.request.urlopen(engine.url + "/v1/models", timeout=timeout) as r:  # noqa: S310 - the host's engine URL
+            with urllib.request.urlopen(engine.url + "/v1/models", timeout=timeout) as r:
                 data = json.loads(r.read())["data"]
             ms = frozenset(str(m["id"]) for m in data)
             ads = frozenset(str(m["id"]) for m in data if isinstance(m.get("parent"), str))
