@@ -279,7 +279,7 @@ class MockWorker:
             sent.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(sent[-1])
         if (body.get("stream_options") or {}).get("include_usage"):
-            last = {
+            last: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created,

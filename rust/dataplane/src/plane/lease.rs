@@ -102,7 +102,7 @@ impl Drop for UsageTap {
             routed_tokens: self.routed_tokens,
             prompt_tokens: prompt,
             cached_tokens: cached,
-            indexed_blocks: sh.router.index().num_blocks(self.worker) as u64,
+            indexed_blocks: sh.router.index().num_blocks(self.worker),
         };
         if let (_, Some(alarm)) = sh.check.observe(&o) {
             eprintln!("WARNING {alarm}");
