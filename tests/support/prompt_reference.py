@@ -214,10 +214,20 @@ class ExactReference(ReferencePrompter):
         if chat:
             # The template already carries the special tokens (vLLM and SGLang encode without adding them).
             text = self.render_chat(body)
-            if any(isinstance(m.get("content"), list) and not all(_is_text(p) for p in m["content"]) for m in _messages(body)):
-                # Media: routed on the approximate text prefix before it (not reproducible exactly).
-                p = ApproxReference(self.block_size, self.seed).prompt(body, chat, lora=lora)
-                return Prompt(p.hashes, p.num_tokens, p.output_tokens, exact=False)
+            msgs = _messages(body)
+            media = [i for i, m in enumerate(msgs) if isinstance(m.get("content"), list) and not all(_is_text(p) for p in m["content"])]
+            if media:
+                # Media: the conversation before the message holding it, rendered without a
+                # generation prompt (its placeholders only the engine expands); the approximate
+                # prompt when that is nothing. Not exact either way (the length is an estimate).
+                approx = ApproxReference(self.block_size, self.seed).prompt(body, chat, lora=lora)
+                if media[0] > 0:
+                    prefix = {**body, "messages": msgs[: media[0]], "add_generation_prompt": False}
+                    ids = self.encode(self.render_chat(prefix), add_special_tokens=False)
+                    if len(ids):
+                        hashes = self._hash(ids, _identity(body, lora))
+                        return Prompt(hashes, max(len(ids), approx.num_tokens), approx.output_tokens, exact=False)
+                return Prompt(approx.hashes, approx.num_tokens, approx.output_tokens, exact=False)
             toks: Any = self.encode(text, add_special_tokens=False)
         else:
             p = _completion_prompt(body)

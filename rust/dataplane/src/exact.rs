@@ -196,8 +196,41 @@ impl ExactPrompter {
     ) -> Result<(ApproxPrompt, bool), BadRequest> {
         match exact {
             Some(p) => Ok((p, true)),
-            None => Ok((approx_prompt_of(body, chat, self.block_size, self.seed, false, lora)?, false)),
+            None => {
+                let approx = approx_prompt_of(body, chat, self.block_size, self.seed, false, lora)?;
+                match self.media_prefix(body, chat, lora, approx.num_tokens)? {
+                    Some(p) => Ok((p, false)),
+                    None => Ok((approx, false)),
+                }
+            }
         }
+    }
+
+    /// A chat with media: the engine's tokens hold the media's placeholders, which only its processor
+    /// expands, so the exact tokens are those of the conversation before the message holding the
+    /// first media part (rendered without a generation prompt: a prefix of the engine's prompt for
+    /// templates that render turn by turn; where it is not, its blocks simply do not match). Never
+    /// credited with more than that; `None` when the first message holds media or the prefix does
+    /// not render. `num_tokens` stays the whole prompt's estimate (`estimate`, at least the prefix).
+    fn media_prefix(&self, body: &Value, chat: bool, lora: Option<&str>, estimate: u64) -> Result<Option<ApproxPrompt>, BadRequest> {
+        let obj = object(body)?;
+        if !chat || !has_media(obj) {
+            return Ok(None);
+        }
+        let msgs = valid_messages(obj)?;
+        let first = msgs.iter().position(|m| matches!(m.get("content"), Some(Value::Array(parts)) if parts.iter().any(|p| p.get("type").and_then(Value::as_str) != Some("text"))));
+        let Some(i) = first.filter(|&i| i > 0) else { return Ok(None) };
+        let mut prefix = obj.clone();
+        prefix.insert("messages".into(), Value::Array(msgs[..i].to_vec()));
+        prefix.insert("add_generation_prompt".into(), Value::Bool(false));
+        let Some(text) = self.render_chat(&Value::Object(prefix))? else { return Ok(None) };
+        let Some(ids) = self.encode(&text, false) else { return Ok(None) };
+        if ids.is_empty() {
+            return Ok(None);
+        }
+        let mut p = self.hash(body, ids, lora)?;
+        p.num_tokens = p.num_tokens.max(estimate);
+        Ok(Some(p))
     }
 
     /// `prompt` off the runtime thread for long texts (see `INLINE_ENCODE_BYTES`).
@@ -553,6 +586,31 @@ mod tests {
         let cfg = json!({"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"});
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         dir
+    }
+
+    #[test]
+    fn media_credits_the_conversation_before_it_never_more() {
+        let dir = word_level("media", "{{ bos_token }}{% for m in messages %}<|user|> {{ m.content }} {% endfor %}");
+        let ex = ExactPrompter::load(&dir, 2, 7).unwrap();
+        let img = json!({"type": "image_url", "image_url": {"url": "http://x/1.png"}});
+        let text = json!({"messages": [{"role": "user", "content": "the sky is blue the sky"}]});
+        let media = json!({"messages": [{"role": "user", "content": "the sky is blue the sky"},
+                                        {"role": "user", "content": [{"type": "text", "text": "is"}, img]}]});
+        let (t, exact_t) = ex.routed_prompt(&text, true, None).unwrap();
+        let (m, exact_m) = ex.routed_prompt(&media, true, None).unwrap();
+        assert!(exact_t && !exact_m, "a media prompt's length is an estimate: not exact");
+        assert_eq!(ex.token_ids(&media, true), Ok(None));
+        // The first message alone renders to the same tokens as the text-only prompt: same keys.
+        assert_eq!(m.hashes, t.hashes);
+        assert!(m.num_tokens >= t.num_tokens);
+        // Under an adapter, the same prefix is keyed by it.
+        let (ml, _) = ex.routed_prompt(&media, true, Some("a")).unwrap();
+        assert_ne!(ml.hashes, m.hashes);
+        // Media in the first message: nothing exact to credit (the approximate text prefix instead).
+        let first = json!({"messages": [{"role": "user", "content": [img.clone(), {"type": "text", "text": "the sky"}]}]});
+        let (f, exact_f) = ex.routed_prompt(&first, true, None).unwrap();
+        // ("<|user|>", 8 bytes, is the approximate text before the image: one 2-token block.)
+        assert!(!exact_f && f.hashes.len() == 1);
     }
 
     #[test]
