@@ -182,7 +182,28 @@ def aisim_verdict(res: dict[str, Any]) -> str:
 
 
 #: Block name -> (the results file's "benchmark", the renderer).
+def ab_commit(res: dict[str, Any]) -> str:
+    names = {
+        "route_p50_us": "`Router.route()` p50 (us)",
+        "route_p99_us": "`Router.route()` p99 (us)",
+        "events_blocks_per_s": "`apply_event_batch` (M blocks/s)",
+    }
+    out = [f"| hot path | {res['base']} | {res['commit']} | ratio |", "|---|---:|---:|---:|"]
+    for key, label in names.items():
+        v = res["summary"][key]
+        scale = 1e-6 if key.startswith("events") else 1.0
+        out.append(f"| {label} | {v['base'] * scale:.2f} | {v['head'] * scale:.2f} | {v['ratio']:.3f}x |")
+    rounds = len(res["rows"]) // 2
+    profile = ", ".join(f"{k}={v}" for k, v in sorted(res.get("profile", {}).items())) or "the release profile"
+    out += [
+        "",
+        f"Medians of {rounds} alternating runs per side. `{res['command']}` at {res['commit']} ({profile}), {res['machine']}, {res['date']}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
 RENDERERS = {
+    "ab_commit": ("ab_commit", ab_commit),
     "aisim_suite": ("aisim_suite", aisim_suite),
     "aisim_speed": ("aisim_speed", aisim_speed),
     "aisim_headline": ("aisim_suite", aisim_headline),

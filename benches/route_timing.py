@@ -2,7 +2,7 @@
 
 bench_router.py's case (an 8192-token uint32 prompt, 64 workers, a 1.02M-entry index) through only
 the API every kvroute release has had, so one script times an old build and the current one:
-`benches/bench_router_vs_commit.sh` runs it in two venvs, alternating, and prints the ratio.
+`benches/ab_commit.sh` runs it in two venvs, alternating, and prints the ratio.
 
     python benches/route_timing.py --repeat 3000     # one JSON line: {"policy", "p50_us", "p99_us", ...}
 """
