@@ -230,15 +230,8 @@ class Gateway:
         did not answer with a model list (its last known list stays)."""
         if w.cfg.models is not None or self.config.models_interval <= 0:
             return True
-        assert self.session is not None
-        try:
-            async with self.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
-                if r.status != 200:
-                    return False
-                body = await r.read()
-        except _NETWORK_ERRORS:
-            return False
-        if w.id not in self.workers:
+        body = await self._get(w, "/v1/models")
+        if body is None or w.id not in self.workers:
             return False
         try:
             self.plane.set_worker_models(w.id, body)
@@ -328,17 +321,19 @@ class Gateway:
     async def poll_metrics(self, w: _Worker) -> dict[str, float] | None:
         """Reads one engine's /metrics and folds it into the Router (``Fleet.observe``: waiting /
         running / KV usage into ``Router.observe``; the cache's size and block size learned)."""
+        body = await self._get(w, "/metrics")
+        if body is None or not w.healthy or w.id not in self.workers:
+            return None
+        return self.fleet.observe(w.engine, body.decode("utf-8", "replace"))
+
+    async def _get(self, w: _Worker, path: str) -> bytes | None:
+        """A worker's answer to ``GET path`` when it is a 200 within ``health_timeout``, else None."""
         assert self.session is not None
         try:
-            async with self.session.get(w.url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
-                if r.status != 200:
-                    return None
-                text = await r.text()
+            async with self.session.get(w.url + path, timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
+                return await r.read() if r.status == 200 else None
         except _NETWORK_ERRORS:
             return None
-        if not w.healthy or w.id not in self.workers:
-            return None
-        return self.fleet.observe(w.engine, text)
 
     def metrics(self) -> dict[str, Any]:
         """The data plane's counters (what ``GET /metrics`` renders)."""
