@@ -124,6 +124,14 @@ def test_routes_by_prefix(host: Host) -> None:
         c = host.er.leases.counts
         assert (c["opened"], c["finished"], c["failed"]) == (12, 12, 0), c
         assert host.er.router.num_in_flight == 0
+        # The router checked itself on the usage LiteLLM handed back (the unstreamed first turns; a
+        # streamed answer's usage is LiteLLM's own count, without cached_tokens, so it is skipped).
+        # The first requests after the fixture's reset_prefix_cache may be credited with the
+        # previous test's blocks: the reset's AllBlocksCleared goes out on the engine's next step.
+        check = host.er.check.snapshot()
+        out = check["outcomes"]
+        assert out["match"] + out["over"] == 4 and out["over"] <= 2, check
+        assert out["under"] == out["prompt_length"] == 0 and check["alarms"] == 0, check
 
     _run(body())
 
