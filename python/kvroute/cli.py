@@ -9,8 +9,9 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvroute.cli_args import OneLineErrors, existing_file, integer, number, rate_list
 from kvroute.router_flags import add_router_flags, router_options
 
 if TYPE_CHECKING:
@@ -23,27 +24,25 @@ SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("
 TRACE_DEFAULT = os.path.join("..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 
 
-def _rates(values: Sequence[str] | None) -> list[float] | None:
+def _rates(values: Sequence[list[float]] | None) -> list[float] | None:
+    """The ``--rate`` / ``--speedup`` values (each already a list, ``cli_args.rate_list``), in order."""
     if not values:
         return None
-    out = []
-    for v in values:
-        for part in v.replace(" ", "").split(","):
-            if not part:
-                continue
-            if ":" in part:  # start:stop:step, inclusive
-                a, b, c = (float(x) for x in part.split(":"))
-                if c <= 0:
-                    raise argparse.ArgumentTypeError(f"rate range step must be > 0 in {part!r}")
-                x = a
-                while x <= b + 1e-9:
-                    out.append(round(x, 9))
-                    x += c
-            else:
-                out.append(float(part))
-    if any(not (r > 0) for r in out):
-        raise argparse.ArgumentTypeError(f"rates must be > 0, got {out}")
-    return out
+    return [x for v in values for x in v]
+
+
+def _shapes() -> list[str]:
+    from kvroute.sim.trace import SHAPES
+
+    return list(SHAPES)
+
+
+def _need_matplotlib(cmd: str) -> None:
+    """``--plot`` checks for matplotlib before the run, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"kvroute {cmd}: --plot needs matplotlib (pip install matplotlib)") from None
 
 
 def _policies() -> list[str]:
@@ -52,7 +51,7 @@ def _policies() -> list[str]:
     return list(POLICIES)
 
 
-def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_simulate(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate routing policies on a prefill cluster",
@@ -71,54 +70,78 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
     )
-    p.add_argument("--trace", metavar="PATH", help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
-    p.add_argument("--shape", default="chat", help="synthetic trace shape: chat, agent, docs (scenario synthetic)")
-    p.add_argument("--requests", type=int, default=3000, help="synthetic trace length (default 3000)")
+    p.add_argument("--trace", metavar="PATH", type=existing_file, help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
+    p.add_argument("--shape", default="chat", choices=_shapes(), help="synthetic trace shape (scenario synthetic; default chat)")
+    p.add_argument("--requests", type=integer(1), default=3000, help="synthetic trace length (default 3000)")
     p.add_argument(
-        "--rate", action="append", metavar="R", help="req/s; repeatable, or a list '40,70' or range '40:90:10' (seed-chat/synthetic)"
+        "--rate",
+        action="append",
+        type=rate_list,
+        metavar="R",
+        help="req/s; repeatable, or a list '40,70' or range '40:90:10' (seed-chat/synthetic)",
     )
-    p.add_argument("--speedup", action="append", metavar="X", help="trace arrival speed-up; repeatable or a list (trace; default 1)")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of seed-chat arrivals (default 120)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0, the seed chapter's)")
-    p.add_argument("--instances", type=int, help="prefill instances (default 8)")
-    p.add_argument("--cache-blocks", type=int, help="LRU cache per instance in blocks (default 3000 of 64 tokens; 1000 of 512 for traces)")
-    p.add_argument("--speed", type=float, help="prefill tokens/s per instance (default 20000)")
-    p.add_argument("--slo", type=float, help="TTFT SLO in seconds (default 2.0)")
-    p.add_argument("--decode-instances", type=int, default=0, help="PD mode: decode instances (default 0: prefill-only, as the seed)")
-    p.add_argument("--decode-kv-blocks", type=int, default=20000, help="KV blocks per decode instance (default 20000)")
     p.add_argument(
-        "--decode-speed", type=float, default=2000.0, help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)"
+        "--speedup", action="append", type=rate_list, metavar="X", help="trace arrival speed-up; repeatable or a list (trace; default 1)"
     )
-    p.add_argument("--tpot-slo", type=float, help="TPOT SLO in seconds (PD mode; default none)")
+    p.add_argument("--duration", type=number(0, above=True), default=120.0, help="seconds of seed-chat arrivals (default 120)")
+    p.add_argument("--seed", type=integer(0), default=0, help="workload seed (default 0, the seed chapter's)")
+    p.add_argument("--instances", type=integer(1), help="prefill instances (default 8)")
+    p.add_argument(
+        "--cache-blocks", type=integer(1), help="LRU cache per instance in blocks (default 3000 of 64 tokens; 1000 of 512 for traces)"
+    )
+    p.add_argument("--speed", type=number(0, above=True), help="prefill tokens/s per instance (default 20000)")
+    p.add_argument("--slo", type=number(0, above=True), help="TTFT SLO in seconds (default 2.0)")
+    p.add_argument(
+        "--decode-instances", type=integer(0), default=0, help="PD mode: decode instances (default 0: prefill-only, as the seed)"
+    )
+    p.add_argument("--decode-kv-blocks", type=integer(1), default=20000, help="KV blocks per decode instance (default 20000)")
+    p.add_argument(
+        "--decode-speed",
+        type=number(0, above=True),
+        default=2000.0,
+        help="decode tokens/s per instance: TPOT = 0.01 s + batch / speed (default 2000)",
+    )
+    p.add_argument("--tpot-slo", type=number(0, above=True), help="TPOT SLO in seconds (PD mode; default none)")
     add_router_flags(p, ["decode_choice"])
-    p.add_argument("--kv-compression", type=float, default=1.0, help="PD mode: bytes sent per KV byte (default 1; 0.5 = fp8 transfer)")
+    p.add_argument(
+        "--kv-compression", type=number(0, above=True), default=1.0, help="PD mode: bytes sent per KV byte (default 1; 0.5 = fp8 transfer)"
+    )
     p.add_argument(
         "--incremental-transfer", action="store_true", help="PD mode: decode instances cache prefixes; only the blocks they lack move"
     )
     p.add_argument(
         "--prefill-batch-tokens",
-        type=int,
+        type=integer(0),
         default=0,
         help="the seed 003 chapter's prefill batching: token budget per batch (the chapter: 8192; default 0 = FIFO)",
     )
-    p.add_argument("--prefill-batch-wait", type=float, default=0.01, help="seconds an idle instance waits for a batch (default 0.01)")
+    p.add_argument("--prefill-batch-wait", type=number(0), default=0.01, help="seconds an idle instance waits for a batch (default 0.01)")
     p.add_argument(
         "--decode-admission",
         action="store_true",
         help="PD mode: the seed 003 chapter's decode admission (at most 256 running, estimated ITL < 1.2 x target)",
     )
-    p.add_argument("--event-lag", type=float, default=0.0, help="seconds before KV events reach the router's index (default 0)")
+    p.add_argument("--event-lag", type=number(0), default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
     p.add_argument("--reject", action="store_true", help="early rejection: turn away requests predicted to miss the TTFT SLO")
     add_router_flags(p, ["tie_break"], tie_break="tie-break; default lowest for seed-chat, as the seed, rotate otherwise")
-    p.add_argument("--router-seed", type=int, default=1, help="seed of the router's random choices (default 1, the seed's Random(1))")
-    p.add_argument("--kv-blocks", type=int, help="aisim: KV pool per engine in blocks (default 16384 of 64 tokens)")
-    p.add_argument("--itl-slo", type=float, help="aisim: mean inter-token latency SLO in seconds (default 0.2, MLPerf Llama-2-70B server)")
     p.add_argument(
-        "--timing-fit", metavar="FILE.json", help="aisim: your hardware's pass-time fit (PolyFit fields; default AISimulate's built-in)"
+        "--router-seed", type=integer(0), default=1, help="seed of the router's random choices (default 1, the seed's Random(1))"
+    )
+    p.add_argument("--kv-blocks", type=integer(1), help="aisim: KV pool per engine in blocks (default 16384 of 64 tokens)")
+    p.add_argument(
+        "--itl-slo",
+        type=number(0, above=True),
+        help="aisim: mean inter-token latency SLO in seconds (default 0.2, MLPerf Llama-2-70B server)",
+    )
+    p.add_argument(
+        "--timing-fit",
+        metavar="FILE.json",
+        type=existing_file,
+        help="aisim: your hardware's pass-time fit (PolyFit fields; default AISimulate's built-in)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per run per line instead of tables")
-    p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib: kvroute[plot])")
+    p.add_argument("--plot", metavar="PATH.png", help="TTFT CDFs and attainment vs rate (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is only drawn on a terminal anyway)")
     p.add_argument(
         "--suite",
@@ -131,7 +154,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--case", action="append", metavar="NAME", help="with --suite: only cases whose name contains NAME; repeatable")
     p.add_argument(
         "--seeds",
-        type=int,
+        type=integer(1),
         metavar="N",
         help="with --suite: N workload seeds per case (default 10; tuning 0-2, 6-8, ...; held-out 3-5, 9-11, ...; "
         "the one fixed Mooncake trace runs once; --quick: its own seed per case unless given)",
@@ -398,28 +421,37 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_plan(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "plan",
         help="xPyD sizing: static per-phase needs, or a dynamic schedule over time windows",
         description="With no arguments: the seed chapter's table (needs per phase vs a fixed 12P12D). "
         "With --dynamic, --phases or --trace: a planner that resizes P/D per window with warm-up, draining and hysteresis.",
     )
-    p.add_argument("--phases", metavar="FILE", help="phases as JSON list or CSV: name, rate, isl, osl, hit[, duration]")
-    p.add_argument("--trace", metavar="PATH", help="derive windows from a Mooncake-format trace")
-    p.add_argument("--speedup", type=float, default=1.0, help="trace arrival speed-up (default 1)")
+    p.add_argument("--phases", metavar="FILE", type=existing_file, help="phases as JSON list or CSV: name, rate, isl, osl, hit[, duration]")
+    p.add_argument("--trace", metavar="PATH", type=existing_file, help="derive windows from a Mooncake-format trace")
+    p.add_argument("--speedup", type=number(0, above=True), default=1.0, help="trace arrival speed-up (default 1)")
     p.add_argument("--dynamic", action="store_true", help="plan the seed's phases over time (each --phase-duration long)")
-    p.add_argument("--phase-duration", type=float, default=3600.0, help="seconds per seed phase with --dynamic (default 3600)")
-    p.add_argument("--ramp", type=float, default=600.0, help="seconds over which a phase blends into the next (default 600)")
-    p.add_argument("--total", type=int, default=24, help="instances in total (default 24)")
+    p.add_argument(
+        "--phase-duration", type=number(0, above=True), default=3600.0, help="seconds per seed phase with --dynamic (default 3600)"
+    )
+    p.add_argument("--ramp", type=number(0), default=600.0, help="seconds over which a phase blends into the next (default 600)")
+    p.add_argument("--total", type=integer(2), default=24, help="instances in total (default 24)")
     p.add_argument("--static", default="12P12D", help="the fixed split to compare against (default 12P12D)")
-    p.add_argument("--p-cap", type=float, default=20000.0, help="prompt tokens/s per prefill instance (default 20000)")
-    p.add_argument("--d-cap", type=float, default=3000.0, help="output tokens/s per decode instance within TPOT (default 3000)")
-    p.add_argument("--window", type=float, default=300.0, help="planning window in seconds (default 300)")
-    p.add_argument("--warmup", type=float, default=120.0, help="seconds a switched instance is unavailable (default 120)")
-    p.add_argument("--drain", type=float, default=60.0, help="extra seconds to drain a decode instance (default 60)")
-    p.add_argument("--hysteresis", type=float, default=0.95, help="keep the split while both sides are below this load (default 0.95)")
-    p.add_argument("--min-move", type=int, default=2, help="smallest worthwhile move when not overloaded (default 2)")
+    p.add_argument("--p-cap", type=number(0, above=True), default=20000.0, help="prompt tokens/s per prefill instance (default 20000)")
+    p.add_argument(
+        "--d-cap", type=number(0, above=True), default=3000.0, help="output tokens/s per decode instance within TPOT (default 3000)"
+    )
+    p.add_argument("--window", type=number(0, above=True), default=300.0, help="planning window in seconds (default 300)")
+    p.add_argument("--warmup", type=number(0), default=120.0, help="seconds a switched instance is unavailable (default 120)")
+    p.add_argument("--drain", type=number(0), default=60.0, help="extra seconds to drain a decode instance (default 60)")
+    p.add_argument(
+        "--hysteresis",
+        type=number(0, above=True, hi=1.0),
+        default=0.95,
+        help="keep the split while both sides are below this load (default 0.95)",
+    )
+    p.add_argument("--min-move", type=integer(1), default=2, help="smallest worthwhile move when not overloaded (default 2)")
     p.add_argument(
         "--engine",
         choices=("seed", "aisim"),
@@ -427,8 +459,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="seed: the seed's capacities, sized to full utilisation (default); aisim: the default AISimulate engine's "
         "capacities, sized to the SLOs (queueing, see docs/simulator.md)",
     )
-    p.add_argument("--slo", type=float, default=2.0, help="with --engine aisim: TTFT SLO in seconds (default 2)")
-    p.add_argument("--itl-slo", type=float, default=0.2, help="with --engine aisim: mean ITL SLO in seconds (default 0.2)")
+    p.add_argument("--slo", type=number(0, above=True), default=2.0, help="with --engine aisim: TTFT SLO in seconds (default 2)")
+    p.add_argument("--itl-slo", type=number(0, above=True), default=0.2, help="with --engine aisim: mean ITL SLO in seconds (default 0.2)")
     p.add_argument(
         "--check",
         action="store_true",
@@ -536,8 +568,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
-    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan,serve}")
+    from kvroute import KvrouteError, __version__
+
+    parser = OneLineErrors(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
+    parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan,serve}", parser_class=OneLineErrors)
     _add_simulate(sub)
     _add_plan(sub)
     from kvroute.gateway.cli import add_serve_parser  # the gateway's `serve` (needs the gateway extra only when run)
@@ -548,10 +583,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(a, "plot", None):
+            _need_matplotlib(a.command)
         return int(a.func(a))
     except BrokenPipeError:  # e.g. piped into head
         sys.stderr.close()
         return 0
+    except SystemExit as e:
+        # A command's own refusal ("kvroute simulate: ..."): one line and status 2, as argparse's.
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+            return 2
+        raise
+    except (ValueError, OSError, KvrouteError) as e:
+        # Bad input found while running (a trace that is not Mooncake JSONL, a file that cannot be read).
+        print(f"kvroute {a.command}: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_support import refusal
 from kvroute.cli import main
 from kvroute.sim import synthetic_trace, write_trace
 from kvroute.sim.progress import Progress
@@ -64,20 +65,103 @@ def test_simulate_trace_and_synthetic(capsys: pytest.CaptureFixture[str], tmp_pa
     assert "synthetic-agent" in out
 
 
-@pytest.mark.parametrize(
-    "args,msg",
-    [
-        (["simulate", "--policy", "nope"], "unknown policy"),
-        (["simulate", "--scenario", "trace"], "needs --trace"),
-        (["simulate", "--rate", "0"], "rates must be > 0"),
-        (["simulate", "--trace", "/nonexistent/x.jsonl"], "cannot read trace"),
-        (["plan", "--static", "12X"], "must look like 12P12D"),
-        (["plan", "--static", "10P10D"], "--total is 24"),
-    ],
-)
-def test_bad_arguments(args: list[str], msg: str) -> None:
-    with pytest.raises(SystemExit, match=msg):
-        main(args)
+#: Every option that takes a value, given a bad one, and what the one-line error must say.
+BAD = [
+    (["simulate", "--policy", "nope"], "unknown policy"),
+    (["simulate", "--scenario", "trace"], "needs --trace"),
+    (["simulate", "--scenario", "nosuch"], "invalid choice"),
+    (["simulate", "--engine", "gpu"], "invalid choice"),
+    (["simulate", "--rate", "0"], "expected a finite number > 0"),
+    (["simulate", "--rate", "50:40:10"], "empty range"),
+    (["simulate", "--rate", "1:2"], "START:STOP:STEP"),
+    (["simulate", "--rate", "x"], "expected a finite number > 0"),
+    (["simulate", "--rate", ","], "one or more numbers"),
+    (["simulate", "--speedup", "-1"], "expected a finite number > 0"),
+    (["simulate", "--trace", "/nonexistent/x.jsonl"], "no such file"),
+    (["simulate", "--shape", "nosuch", "--scenario", "synthetic"], "invalid choice"),
+    (["simulate", "--requests", "-5"], "integer >= 1"),
+    (["simulate", "--requests", "many"], "integer >= 1"),
+    (["simulate", "--duration", "-5"], "number > 0"),
+    (["simulate", "--duration", "inf"], "number > 0"),
+    (["simulate", "--seed", "-1"], "integer >= 0"),
+    (["simulate", "--instances", "0"], "integer >= 1"),
+    (["simulate", "--cache-blocks", "0"], "integer >= 1"),
+    (["simulate", "--speed", "0"], "number > 0"),
+    (["simulate", "--slo", "nan"], "number > 0"),
+    (["simulate", "--decode-instances", "-1"], "integer >= 0"),
+    (["simulate", "--decode-kv-blocks", "0"], "integer >= 1"),
+    (["simulate", "--decode-speed", "-3"], "number > 0"),
+    (["simulate", "--tpot-slo", "0"], "number > 0"),
+    (["simulate", "--kv-compression", "0"], "number > 0"),
+    (["simulate", "--prefill-batch-tokens", "-1"], "integer >= 0"),
+    (["simulate", "--prefill-batch-wait", "-1"], "number >= 0"),
+    (["simulate", "--event-lag", "-1"], "number >= 0"),
+    (["simulate", "--router-seed", "-1"], "integer >= 0"),
+    (["simulate", "--kv-blocks", "0"], "integer >= 1"),
+    (["simulate", "--itl-slo", "0"], "number > 0"),
+    (["simulate", "--timing-fit", "/nonexistent.json"], "no such file"),
+    (["simulate", "--seeds", "0"], "integer >= 1"),
+    (["simulate", "--split", "half"], "invalid choice"),
+    (["simulate", "--tie-break", "coin"], "invalid choice"),
+    (["simulate", "--kv-blocks", "100"], "go with --engine aisim"),
+    (["simulate", "--quick"], "go with --suite"),
+    (["plan", "--static", "12X"], "must look like 12P12D"),
+    (["plan", "--static", "10P10D"], "--total is 24"),
+    (["plan", "--total", "-1"], "integer >= 2"),
+    (["plan", "--phases", "/nonexistent.csv"], "no such file"),
+    (["plan", "--trace", "/nonexistent.jsonl"], "no such file"),
+    (["plan", "--speedup", "0"], "number > 0"),
+    (["plan", "--phase-duration", "0"], "number > 0"),
+    (["plan", "--ramp", "-1"], "number >= 0"),
+    (["plan", "--p-cap", "0"], "number > 0"),
+    (["plan", "--d-cap", "0"], "number > 0"),
+    (["plan", "--window", "0"], "number > 0"),
+    (["plan", "--warmup", "-1"], "number >= 0"),
+    (["plan", "--drain", "-1"], "number >= 0"),
+    (["plan", "--hysteresis", "1.5"], "<= 1"),
+    (["plan", "--min-move", "0"], "integer >= 1"),
+    (["plan", "--slo", "0"], "number > 0"),
+    (["plan", "--itl-slo", "0"], "number > 0"),
+    (["plan", "--engine", "gpu"], "invalid choice"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--port", "70000"], "<= 65535"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--port", "http"], "integer >= 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--threads", "0"], "integer >= 1"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--max-retries", "-1"], "integer >= 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--max-body-bytes", "0"], "integer >= 1"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--max-in-flight", "0"], "integer >= 1"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--max-client-concurrency", "0"], "integer >= 1"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--connect-timeout", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--read-timeout", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--client-timeout", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--health-interval", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--metrics-interval", "-1"], "number >= 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--models-interval", "-1"], "number >= 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--approx-ttl", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--prefill-tokens-per-s", "0"], "number > 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--prefix-cache-blocks", "-5"], "integer >= 0"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--pd-convention", "x"], "invalid choice"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--ttft-slo", "-1"], "ttft_slo"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--worker-models", "nope"], "URL=MODEL"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--worker-models", "http://x:1=m"], "not a configured worker"),
+    (["serve", "--worker", "127.0.0.1:9"], "http(s)://host"),
+    (["serve", "--worker", "http://127.0.0.1:9", "--tokenizer", "/nonexistent"], "tokenizer"),
+    (["serve", "--prefill", "http://127.0.0.1:9", "x", "--decode", "http://127.0.0.1:8"], "integer >= 1"),
+    (["serve", "--prefill", "http://127.0.0.1:9"], "both --prefill and --decode"),
+    (["serve"], "at least one --worker"),
+    (["nosuch"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("args,msg", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_status_2(args: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No option answers a bad value with a traceback: one line on stderr naming the problem, exit 2."""
+    assert msg in refusal(args, capsys)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("kvroute ")
 
 
 def test_plan_default_is_the_seed_table(capsys: pytest.CaptureFixture[str]) -> None:

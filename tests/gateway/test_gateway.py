@@ -218,6 +218,23 @@ def test_connection_refused_is_retried_and_all_failing_gives_clear_error() -> No
     run(scenario())
 
 
+def test_no_healthy_worker_says_what_is_registered_and_why() -> None:
+    async def scenario() -> None:
+        async with Cluster(1, health_interval=60.0) as c:
+            (dead,) = c.mocks
+            await dead.stop()  # nothing listens on its port any more
+            status, _, data = await c.post("/v1/completions", {"prompt": "p " * 50, "max_tokens": 2})
+            assert status in (502, 503), data
+            status, _, data = await c.post("/v1/completions", {"prompt": "q " * 50, "max_tokens": 2})
+            assert status == 503, data
+            msg = json.loads(data)["error"]["message"]
+            assert f"1 registered, 0 healthy ({dead.url} unhealthy: connection failed" in msg, msg
+            assert "call add_worker" not in msg
+            assert_no_leak(c)
+
+    run(scenario())
+
+
 def test_worker_killed_mid_run_loses_no_request() -> None:
     """300 requests at concurrency 24 over 4 workers; one is killed after 100 have completed. Every
     non-streaming request still succeeds (retried elsewhere); a stream cut after its first bytes

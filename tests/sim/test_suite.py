@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_support import refusal
 from kvroute.cli import main
 from kvroute.sim import ClusterConfig, records_to_workload, simulate, synthetic_trace
 from kvroute.sim.suite import CASES, QUICK_CASES, default_policy, format_case, format_suite, run_suite, suite_policies
@@ -86,17 +87,15 @@ def test_suite_command_json(capsys):
     assert all(x["split"] == "held-out" and set(x["attainment"]) == {"cache_only", "slack"} for x in lines)
 
 
-def test_suite_command_errors():
-    with pytest.raises(SystemExit, match="no case matches"):
-        main(["simulate", "--suite", "--case", "nothing-like-this"])
-    with pytest.raises(SystemExit, match="go with --suite"):
-        main(["simulate", "--quick"])
-    with pytest.raises(SystemExit, match="unknown policy"):
-        main(["simulate", "--suite", "--quick", "--policy", "nope"])
-    with pytest.raises(SystemExit, match="go with --suite"):
-        main(["simulate", "--seeds", "5"])
-    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
-        main(["simulate", "--suite", "--quick", "--seeds", "0"])
+def test_suite_command_errors(capsys):
+    for argv, msg in (
+        (["simulate", "--suite", "--case", "nothing-like-this"], "no case matches"),
+        (["simulate", "--quick"], "go with --suite"),
+        (["simulate", "--suite", "--quick", "--policy", "nope"], "unknown policy"),
+        (["simulate", "--seeds", "5"], "go with --suite"),
+        (["simulate", "--suite", "--quick", "--seeds", "0"], "integer >= 1"),
+    ):
+        assert msg in refusal(argv, capsys), argv
 
 
 def test_suite_with_the_default_alone_reports_no_verdict(capsys):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvroute.cli_args import OneLineErrors, integer, number, port
 from kvroute.router_flags import add_router_flags, router_options
 
 __all__ = ["add_serve_parser", "build_gateway", "cmd_serve"]
@@ -28,8 +29,8 @@ def _mapping(values: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p = sub.add_parser(
+def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway in front of vLLM/SGLang workers",
         description="Cache-aware OpenAI-compatible gateway: /v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -49,10 +50,15 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     g.add_argument(
         "--pd-convention", choices=("vllm", "sglang"), default="vllm", help="PD handshake: vllm (kv_transfer_params) or sglang (bootstrap)"
     )
-    g.add_argument("--prefill-tokens-per-s", type=float, default=20000.0, help="engines' prefill speed the router assumes (default 20000)")
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=number(0, above=True),
+        default=20000.0,
+        help="engines' prefill speed the router assumes (default 20000)",
+    )
     g.add_argument(
         "--prefix-cache-blocks",
-        type=int,
+        type=integer(0),
         metavar="N",
         help="each unified/prefill engine's prefix-cache size in KV blocks (vLLM: num_gpu_blocks - 1), which the "
         "default policy charges evictions against (default: unknown, not charged)",
@@ -85,37 +91,47 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--kv-events-replay", action="append", metavar="WORKER_URL=tcp://HOST:PORT", help="the worker's KV-event replay endpoint"
     )
     r.add_argument(
-        "--approx-ttl", type=float, default=120.0, help="without KV events: seconds a routed prefix is assumed cached (default 120)"
+        "--approx-ttl",
+        type=number(0, above=True),
+        default=120.0,
+        help="without KV events: seconds a routed prefix is assumed cached (default 120)",
     )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    s.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
     s.add_argument(
         "--admin-token",
         default=os.environ.get("KVROUTE_ADMIN_TOKEN"),
         help="bearer token for /admin (default $KVROUTE_ADMIN_TOKEN; admin API off without it)",
     )
-    s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body accepted (413 above)")
-    s.add_argument("--max-client-concurrency", type=int, default=256, help="concurrent requests per client (429 above)")
-    s.add_argument("--max-in-flight", type=int, default=10000, help="concurrent requests in total (429 above)")
+    s.add_argument("--max-body-bytes", type=integer(1), default=32 * 1024 * 1024, help="largest request body accepted (413 above)")
+    s.add_argument("--max-client-concurrency", type=integer(1), default=256, help="concurrent requests per client (429 above)")
+    s.add_argument("--max-in-flight", type=integer(1), default=10000, help="concurrent requests in total (429 above)")
     s.add_argument("--client-key-header", default=None, help="header identifying the client (default: its IP address)")
-    s.add_argument("--max-retries", type=int, default=2, help="retries on another worker before any byte reached the client (default 2)")
-    s.add_argument("--connect-timeout", type=float, default=5.0)
-    s.add_argument("--read-timeout", type=float, default=600.0, help="longest upstream silence between chunks (seconds)")
     s.add_argument(
-        "--client-timeout", type=float, default=30.0, help="longest a client may take to send a request's head and body (seconds)"
+        "--max-retries", type=integer(0, 100), default=2, help="retries on another worker before any byte reached the client (default 2)"
+    )
+    s.add_argument("--connect-timeout", type=number(0, above=True), default=5.0, help="seconds to connect to an engine (default 5)")
+    s.add_argument("--read-timeout", type=number(0, above=True), default=600.0, help="longest upstream silence between chunks (seconds)")
+    s.add_argument(
+        "--client-timeout",
+        type=number(0, above=True),
+        default=30.0,
+        help="longest a client may take to send a request's head and body (seconds)",
     )
     s.add_argument(
         "--health-interval",
-        type=float,
+        type=number(0, above=True),
         default=2.0,
         help="health probe period (seconds): unhealthy workers until they answer, healthy ones to notice one that stopped",
     )
-    s.add_argument("--metrics-interval", type=float, default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)")
+    s.add_argument(
+        "--metrics-interval", type=number(0), default=0.0, help="poll engines' /metrics into the router every S seconds (0: off)"
+    )
     s.add_argument("--model", action="append", default=[], help="model name(s) /v1/models reports when no worker answers")
     s.add_argument(
         "--models-interval",
-        type=float,
+        type=number(0),
         default=30.0,
         metavar="S",
         help="re-read each worker's /v1/models (the models and LoRA adapters it serves; requests go only to workers "
@@ -129,7 +145,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="the models a worker serves, instead of reading its /v1/models; write a LoRA adapter as lora:NAME (repeatable)",
     )
     s.add_argument("--ca-file", metavar="PEM", help="extra CA certificates trusted for https:// workers (beside the system's)")
-    s.add_argument("--threads", type=int, default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)")
+    s.add_argument(
+        "--threads", type=integer(1, 256), default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)"
+    )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
     return p
@@ -158,7 +176,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
     for spec in a.prefill:
         if len(spec) > 2:
             raise argparse.ArgumentTypeError(f"--prefill takes URL [BOOTSTRAP_PORT], got {spec}")
-        port = int(spec[1]) if len(spec) == 2 else None
+        port = integer(1, 65535)(spec[1]) if len(spec) == 2 else None
         prefill.append(WorkerConfig(spec[0], role="prefill", bootstrap_port=port, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb))
     if bool(prefill) != bool(a.decode):
         raise argparse.ArgumentTypeError("PD mode needs both --prefill and --decode workers")
@@ -249,8 +267,11 @@ async def _serve(gw: Any, host: str, port: int) -> int:
     await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
     if server.done():
-        print(f"kvroute serve: error: {server.exception()!r}", file=sys.stderr, flush=True)
-        return 1
+        e = server.exception()
+        # The address is taken, or another start-up failure: one line (the plane names the address).
+        why = str(e) or repr(e)
+        print(f"kvroute serve: error: {why}", file=sys.stderr, flush=True)
+        return 2
     server.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await server
@@ -259,8 +280,8 @@ async def _serve(gw: Any, host: str, port: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvroute.gateway.cli`` (same as ``kvroute serve``)."""
-    parser = argparse.ArgumentParser(prog="kvroute")
-    sub = parser.add_subparsers(dest="command")
+    parser = OneLineErrors(prog="kvroute")
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineErrors)
     add_serve_parser(sub)
     a = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
     return int(a.func(a))

@@ -143,6 +143,8 @@ struct Worker {
     /// SGLang PD prefill servers' `--disaggregation-bootstrap-port`.
     bootstrap_port: Option<u16>,
     healthy: AtomicBool,
+    /// Why it was last taken out of routing (a failed dispatch, a failed probe).
+    down_reason: Mutex<Option<String>>,
     in_flight: AtomicI64,
     served: AtomicU64,
     /// Bumped each time the worker is marked unhealthy: its requests in flight end at once (a
@@ -342,6 +344,7 @@ impl DataPlane {
             host,
             bootstrap_port,
             healthy: AtomicBool::new(true),
+            down_reason: Mutex::new(None),
             in_flight: AtomicI64::new(0),
             served: AtomicU64::new(0),
             down: watch::channel(0).0,
@@ -386,6 +389,7 @@ impl DataPlane {
     pub fn mark_unhealthy(&self, id: WorkerId, reason: &str) -> bool {
         let Some(w) = self.shared.worker(id) else { return false };
         let was = w.healthy.load(Ordering::SeqCst);
+        *w.down_reason.lock() = Some(reason.to_string());
         self.shared.mark_unhealthy(&w, reason);
         was
     }
@@ -396,6 +400,11 @@ impl DataPlane {
             Some(w) => {
                 if w.healthy.swap(healthy, Ordering::SeqCst) && !healthy {
                     w.mark_down();
+                }
+                if healthy {
+                    *w.down_reason.lock() = None;
+                } else {
+                    w.down_reason.lock().get_or_insert_with(|| "taken out of routing by its owner".into());
                 }
                 true
             }

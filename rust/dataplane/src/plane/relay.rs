@@ -58,8 +58,11 @@ pub(super) async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instan
         };
         let d = match sh.router.route(&req) {
             Ok(d) => d,
-            Err(e @ RouterError::NoWorkers(_)) => {
-                let msg = format!("no healthy worker to route to ({e}); last failure: {last_failure}");
+            Err(RouterError::NoWorkers(_)) => {
+                let mut msg = format!("no healthy worker to route to: {}", sh.no_worker_detail());
+                if attempt > 0 {
+                    msg.push_str(&format!("; this request's last failure: {last_failure}"));
+                }
                 return adm.respond(error(503, &msg, "service_unavailable", Some(1)));
             }
             Err(e @ RouterError::InvalidArgument(_)) => {

@@ -421,8 +421,28 @@ impl Shared {
         json_response(if ok { 200 } else { 503 }, &serde_json::json!({"status": if ok { "ok" } else { "unavailable" }, "workers": workers}))
     }
 
+    /// Why no worker could take a request: what is registered, and why each is out of routing.
+    pub(super) fn no_worker_detail(&self) -> String {
+        let mut ws: Vec<Arc<Worker>> = self.workers.read().values().cloned().collect();
+        if ws.is_empty() {
+            return "no worker is registered".into();
+        }
+        ws.sort_by_key(|w| w.id);
+        let states: Vec<String> = ws
+            .iter()
+            .map(|w| match (w.healthy.load(Ordering::SeqCst), w.down_reason.lock().clone()) {
+                (true, _) => format!("{} healthy", w.url),
+                (false, Some(why)) => format!("{} unhealthy: {why}", w.url),
+                (false, None) => format!("{} unhealthy", w.url),
+            })
+            .collect();
+        let healthy = ws.iter().filter(|w| w.healthy.load(Ordering::SeqCst)).count();
+        format!("{} registered, {healthy} healthy ({})", ws.len(), states.join("; "))
+    }
+
     /// Takes a failed worker out of routing (once) and tells the owner, who probes it back.
     pub(super) fn mark_unhealthy(&self, w: &Worker, reason: &str) {
+        *w.down_reason.lock() = Some(reason.to_string());
         self.metrics.upstream_error(&w.url);
         let known = self.workers.read().contains_key(&w.id);
         if known && w.healthy.swap(false, Ordering::SeqCst) {
