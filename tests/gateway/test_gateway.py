@@ -60,24 +60,34 @@ def test_streaming_and_json_pass_through_byte_for_byte() -> None:
 
 def test_shared_prefixes_stick_while_load_stays_even() -> None:
     """8 conversations' system prompts over 4 workers: each prefix group lands on one worker, and
-    the groups spread over the workers instead of collapsing onto the first one."""
+    the groups spread over the workers instead of collapsing onto the first one.
+
+    In waves of 8 requests in flight at once: the engines hold every request of a wave until all 8
+    were routed, so each decision sees the same load whatever the machine's speed (a busy machine
+    used to finish some requests before others were routed and scatter a group)."""
 
     async def scenario() -> None:
         rng = random.Random(7)
         groups = [f"group {g}: " + f"system prompt number {g} with its own rules. " * 30 for g in range(8)]
-        async with Cluster(4, mock={"cost_per_token": 2e-7}) as c:
+        async with Cluster(4) as c:
             placed: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-            sem = asyncio.Semaphore(8)
+            gate = asyncio.Event()
+            for m in c.mocks:
+                m.gate = gate
 
             async def one(i: int) -> None:
                 g = rng.randrange(len(groups))
                 body = {"prompt": groups[g] + f"question {i} " * rng.randrange(1, 20), "max_tokens": 4}
-                async with sem:
-                    status, headers, data = await c.post("/v1/completions", body)
+                status, headers, data = await c.post("/v1/completions", body)
                 assert status == 200, data
                 placed[g][headers["X-Kvroute-Worker"]] += 1
 
-            await asyncio.gather(*(one(i) for i in range(240)))
+            for wave in range(30):
+                gate.clear()
+                tasks = [asyncio.ensure_future(one(wave * 8 + k)) for k in range(8)]
+                await poll(lambda: sum(m.in_flight for m in c.mocks) == 8, what="a wave of 8 requests at the engines")
+                gate.set()
+                await asyncio.gather(*tasks)
             for g, where in placed.items():
                 top = where.most_common(1)[0][1]
                 assert top / sum(where.values()) >= 0.8, f"group {g} scattered: {where}"
@@ -87,7 +97,7 @@ def test_shared_prefixes_stick_while_load_stays_even() -> None:
             assert hit > 0.6, f"engines' cache hit rate only {hit:.2f}"
             assert_no_leak(c)
 
-    run(scenario())
+    run(scenario(), timeout=60)
 
 
 def test_client_disconnect_cancels_upstream_and_releases_load() -> None:

@@ -92,6 +92,9 @@ class MockWorker:
         self.fail_next = 0
         self.fail_status = 500
         self.end_delay = 0.0  # seconds between a stream's ``data: [DONE]`` and its end (a real engine's end trails it)
+        #: When set, requests wait for it before they are served (tests that need many requests in
+        #: flight at once, whatever the machine's speed).
+        self.gate: asyncio.Event | None = None
         self.healthy = True
         self.requests = 0
         self.completed = 0
@@ -200,6 +203,8 @@ class MockWorker:
             self.in_flight -= 1
 
     async def _serve(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.gate is not None:
+            await self.gate.wait()
         text = _prompt_text(body)
         chat = "messages" in body
         ktp = body.get("kv_transfer_params") or {}
