@@ -67,7 +67,9 @@ def test_requests_go_to_the_workers_serving_their_model() -> None:
             async with client.get(url + "/v1/models") as r:
                 listed = {m["id"]: m.get("parent") for m in (await r.json())["data"]}
             assert listed == {"llama": None, "tenant-a": "llama", "qwen": None}
-            # A worker taken out of routing leaves the union; the pool routes around it.
+            # A worker taken out of routing leaves the union; the pool routes around it. (Its /health
+            # fails too, or the 50 ms probe would bring it back before the checks below.)
+            qwen.healthy = False
             gw.mark_unhealthy(next(w for w in gw.workers.values() if w.url == qwen.url), "test")
             async with client.get(url + "/v1/models") as r:
                 assert {m["id"] for m in (await r.json())["data"]} == {"llama", "tenant-a"}
