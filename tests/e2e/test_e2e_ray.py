@@ -57,7 +57,10 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
     homes: dict[int, set[str]] = {}
     trail: list[tuple[int, int, str, list[str]]] = []  # (turn, conversation, ingress replica, engines that served it)
     hits0 = sum(e.metric("vllm:prefix_cache_hits_total") for e in app.engines)
-    for turn in range(3):
+    # Which ingress replica takes a request is Serve's proxy's choice (two replicas idle at once: a
+    # coin toss); after the 3 turns, more turns until both routers have routed (bounded).
+    turn = 0
+    while turn < 3 or (len(ingresses) < 2 and turn < 12):
         for conv in range(4):
             before = [e.metric("vllm:request_success_total") for e in app.engines]
             ing, out = app.chat(chat_turns(conv, turn), stream=turn == 1)
@@ -70,6 +73,7 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
             served = [e.name for e, a, b in zip(app.engines, after, before) if a > b]
             homes.setdefault(conv, set()).update(served)
             trail.append((turn, conv, ing, served))
+        turn += 1
     assert len(ingresses) == 2, "both ingress replicas (two kvroute routers) routed requests"
     assert len(set().union(*homes.values())) == 2, f"the conversations spread over both engines: {homes}"
     # Both routers read the same engines' KV events, so a conversation keeps its engine whichever routes it.
@@ -78,9 +82,9 @@ def test_two_routers_keep_conversations_on_their_prefix(app: App) -> None:
     assert hits >= 8 * 2 * BLOCK_SIZE, f"follow-up turns hit only {hits} cached tokens"
     poll(lambda: all(rs[0]["open"] == 0 for rs in app.routers().values()), 30.0, "every lease released")
     leases = [rs[0]["leases"] for rs in app.routers().values()]
-    # 12 requests, each finished once. Serve may ask a router again for a request whose first pick
+    # Each request finished once. Serve may ask a router again for a request whose first pick
     # turned it away (a replica's queue probe timing out on a loaded host): that lease is cancelled.
-    assert sum(lz["finished"] for lz in leases) == 12, leases
+    assert sum(lz["finished"] for lz in leases) == len(trail), leases
     assert all(lz["failed"] == 0 and lz["opened"] == lz["finished"] + lz["cancelled"] for lz in leases), leases
 
 
