@@ -95,6 +95,11 @@ struct Inner {
     last_alarm: Option<String>,
 }
 
+/// The window the gateway and `kvroute.PrefixCheck` use by default: requests with usage.
+pub const DEFAULT_WINDOW: usize = 20;
+/// Mismatches in the window that raise the alarm by default.
+pub const DEFAULT_THRESHOLD: usize = 8;
+
 /// The self-check: feed it every checked request; it says when to raise the alarm.
 pub struct PrefixCheck {
     window: usize,

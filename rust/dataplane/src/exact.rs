@@ -17,8 +17,8 @@ use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
 use crate::prompt::{
-    approx_prompt_of, completion_prompt, has_media, object, output_tokens, py_float_repr, py_json_str, py_truthy, request_root,
-    valid_messages, ApproxPrompt, BadRequest, CompletionPrompt,
+    approx_prompt_of, completion_prompt, first_media_message, has_media, object, output_tokens, py_float_repr, py_json_str, py_truthy,
+    request_root, valid_messages, ApproxPrompt, BadRequest, CompletionPrompt,
 };
 
 /// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
@@ -214,12 +214,11 @@ impl ExactPrompter {
     /// not render. `num_tokens` stays the whole prompt's estimate (`estimate`, at least the prefix).
     fn media_prefix(&self, body: &Value, chat: bool, lora: Option<&str>, estimate: u64) -> Result<Option<ApproxPrompt>, BadRequest> {
         let obj = object(body)?;
-        if !chat || !has_media(obj) {
+        if !chat {
             return Ok(None);
         }
+        let Some(i) = first_media_message(obj).filter(|&i| i > 0) else { return Ok(None) };
         let msgs = valid_messages(obj)?;
-        let first = msgs.iter().position(|m| matches!(m.get("content"), Some(Value::Array(parts)) if parts.iter().any(|p| p.get("type").and_then(Value::as_str) != Some("text"))));
-        let Some(i) = first.filter(|&i| i > 0) else { return Ok(None) };
         let mut prefix = obj.clone();
         prefix.insert("messages".into(), Value::Array(msgs[..i].to_vec()));
         prefix.insert("add_generation_prompt".into(), Value::Bool(false));

@@ -97,11 +97,13 @@ pub(crate) fn approx_prompt_of(
 
 /// Whether a chat body has a content part other than text (an image, audio, video or file).
 pub(crate) fn has_media(body: &serde_json::Map<String, Value>) -> bool {
-    let Some(Value::Array(msgs)) = body.get("messages") else { return false };
-    msgs.iter().any(|m| match m.get("content") {
-        Some(Value::Array(parts)) => parts.iter().any(|p| !is_text_part(p)),
-        _ => false,
-    })
+    first_media_message(body).is_some()
+}
+
+/// The index of the first message holding a content part other than text.
+pub(crate) fn first_media_message(body: &serde_json::Map<String, Value>) -> Option<usize> {
+    let Some(Value::Array(msgs)) = body.get("messages") else { return None };
+    msgs.iter().position(|m| matches!(m.get("content"), Some(Value::Array(parts)) if parts.iter().any(|p| !is_text_part(p))))
 }
 
 fn is_text_part(p: &Value) -> bool {

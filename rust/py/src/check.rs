@@ -1,6 +1,6 @@
 //! `kvroute._core.PrefixCheck`: the router's self-check (kvroute_core::check) for the integrations.
 
-use kvroute_core::check::{CheckSnapshot, Observation, Outcome, PrefixCheck};
+use kvroute_core::check::{CheckSnapshot, Observation, Outcome, PrefixCheck, DEFAULT_THRESHOLD, DEFAULT_WINDOW};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -10,6 +10,8 @@ use crate::convert::extract_u64;
 /// Compares each request's predicted prefix hit with what its engine reported reusing
 /// (`usage.prompt_tokens_details.cached_tokens`); over the last `window` requests, `threshold`
 /// mismatches raise one alarm naming the likely cause (docs/events.md, "The self-check").
+const _: () = assert!(DEFAULT_WINDOW == 20 && DEFAULT_THRESHOLD == 8, "PrefixCheck's Python defaults must be the core's");
+
 #[pyclass(frozen, module = "kvroute._core", name = "PrefixCheck")]
 pub struct PyPrefixCheck {
     inner: PrefixCheck,
@@ -18,6 +20,7 @@ pub struct PyPrefixCheck {
 #[pymethods]
 impl PyPrefixCheck {
     #[new]
+    // Literals, so Python's signature shows them; the assertion below keeps them the core's defaults.
     #[pyo3(signature = (window = 20, threshold = 8))]
     fn new(window: usize, threshold: usize) -> PyResult<Self> {
         Ok(PyPrefixCheck { inner: PrefixCheck::new(window, threshold).map_err(PyValueError::new_err)? })

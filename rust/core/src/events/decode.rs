@@ -256,7 +256,7 @@ fn read_extra_keys<'p>(r: &mut Reader<'p>, i: usize) -> Result<Option<ExtraKeys<
             continue;
         }
         let k = r.array_len().map_err(|e| raw(e, at, p))?;
-        let mut others: Option<usize> = None;
+        let mut others = false;
         let block_start = r.pos;
         for _ in 0..k {
             let p = r.pos;
@@ -270,11 +270,11 @@ fn read_extra_keys<'p>(r: &mut Reader<'p>, i: usize) -> Result<Option<ExtraKeys<
                     x.later_strs.push((j as u32, s));
                 }
             } else {
-                others.get_or_insert(p);
+                others = true;
                 r.skip().map_err(|e| raw(e, at, p))?;
             }
         }
-        if others.is_some() {
+        if others {
             // The block's whole entry (strings included) keys it: what matters is that it differs
             // from a plain block's and from any other media's.
             x.mixes.push((j as u32, crate::hash::extra_digest(r.since(block_start))));

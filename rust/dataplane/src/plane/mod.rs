@@ -56,10 +56,6 @@ pub use server::ServedModel;
 use server::*;
 use tls::*;
 
-/// The self-check's window (requests with usage) and the mismatches in it that raise its alarm.
-pub const CHECK_WINDOW: usize = 20;
-pub const CHECK_THRESHOLD: usize = 8;
-
 /// Request ids of the data plane's routes have the top bit set, so they never collide with ids a
 /// library user routes by hand on the same Router (a counter from 1, as in the examples).
 pub const REQUEST_ID_BASE: u64 = 1 << 63;
@@ -262,7 +258,8 @@ impl DataPlane {
             client,
             on_unhealthy,
             models: RwLock::new(HashMap::new()),
-            check: kvroute_core::check::PrefixCheck::new(CHECK_WINDOW, CHECK_THRESHOLD).map_err(PlaneError::Config)?,
+            check: kvroute_core::check::PrefixCheck::new(kvroute_core::check::DEFAULT_WINDOW, kvroute_core::check::DEFAULT_THRESHOLD)
+                .map_err(PlaneError::Config)?,
         });
         Ok(DataPlane { shared, control: Mutex::new(Control::default()) })
     }
@@ -389,7 +386,6 @@ impl DataPlane {
     pub fn mark_unhealthy(&self, id: WorkerId, reason: &str) -> bool {
         let Some(w) = self.shared.worker(id) else { return false };
         let was = w.healthy.load(Ordering::SeqCst);
-        *w.down_reason.lock() = Some(reason.to_string());
         self.shared.mark_unhealthy(&w, reason);
         was
     }

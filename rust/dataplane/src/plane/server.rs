@@ -349,14 +349,10 @@ impl Shared {
                 }
             }
         }
+        // A worker whose list is not known yet may serve it: only a model no worker may serve is unknown.
+        ws.extend(self.workers.read().keys().filter(|w| !models.contains_key(w)));
         if ws.is_empty() {
-            // A worker whose list is not known yet may serve it: only a model no worker may serve is unknown.
-            ws.extend(self.workers.read().keys().filter(|w| !models.contains_key(w)));
-            if ws.is_empty() {
-                return Pool::Unknown(m.clone());
-            }
-        } else {
-            ws.extend(self.workers.read().keys().filter(|w| !models.contains_key(w)));
+            return Pool::Unknown(m.clone());
         }
         Pool::Of(ws, lora)
     }
