@@ -105,6 +105,8 @@ impl PyKvIndex {
     }
 
     /// For each worker holding `hashes[0]`: how many leading blocks of `hashes` it holds.
+    /// `hashes` are chained sequence hashes (`block_hashes`, engines' KV events): each stands for
+    /// the whole prefix up to it.
     #[pyo3(name = "match", signature = (hashes, *, tier = None))]
     fn match_(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>, tier: Option<&str>) -> PyResult<MatchResult> {
         let mask = parse_tiers(tier)?;

@@ -5,7 +5,11 @@
 //! Layout. The tree is a forest: every chain starts at a block-0 hash (a root), and the whole
 //! chain lives in the shard its root hashes to. A match therefore walks one shard's flat hash
 //! table (sequence hashes identify their whole prefix, so a flat table plus a parent check is a
-//! radix tree without the pointer chasing).
+//! radix tree without the pointer chasing). A chain stored over time still sits mostly in
+//! consecutive slots (runs grow in place, or move to where they can), and per-group run words
+//! (`slab.rs`) let a match cross a run of slots with the same holders by checking only its last
+//! slot, since a sequence hash found at the end of a chain of parent links stands for the whole
+//! prefix before it.
 //!
 //! Lock-free reads. Everything a match reads is atomics in memory that stays valid while it is
 //! pinned (`crossbeam-epoch`): nodes in chunks that never move, the table (`table.rs`, replaced

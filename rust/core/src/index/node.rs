@@ -32,17 +32,26 @@ pub(crate) struct Node {
 }
 
 const _: () = assert!(std::mem::size_of::<Node>() == 16);
+const _: () = assert!(PARENT_BIAS == 3 && ROOT < 1 << PARENT_BITS);
+// A free node is all zero bits (see `PARENT_BIAS`).
+const _: () = assert!(holders::EMPTY == 0 && (FREE.wrapping_add(PARENT_BIAS) as u64 & PARENT_MASK) == 0);
+
+/// A parent is stored plus `PARENT_BIAS` (wrapping in its 30 bits), so that `FREE` is stored as 0
+/// and a free node is all zero bits: chunks are allocated zeroed, and their pages are touched only
+/// when slots are used. Parents that are node indices stay in order, one apart per slot (a run's
+/// expected `hp` words are the first plus `k << 32`, see `view::run_in`).
+const PARENT_BIAS: u32 = (1 << PARENT_BITS) - FREE;
 
 #[inline]
 pub(crate) fn pack(holders: Holders, parent: u32) -> u64 {
     debug_assert!(parent as u64 <= PARENT_MASK);
-    holders as u64 | (parent as u64) << 32
+    holders as u64 | ((parent.wrapping_add(PARENT_BIAS) as u64) & PARENT_MASK) << 32
 }
 
 /// (holders, parent) of an `hp` word.
 #[inline]
 pub(crate) fn unpack(hp: u64) -> (Holders, u32) {
-    (hp as u32, ((hp >> 32) & PARENT_MASK) as u32)
+    (hp as u32, (((hp >> 32) as u32).wrapping_sub(PARENT_BIAS)) & PARENT_MASK as u32)
 }
 
 /// A node's fields as plain values, for writing a slot in one go.
@@ -62,9 +71,6 @@ impl NodeVal {
 }
 
 impl Node {
-    pub fn free() -> Node {
-        Node { hash: AtomicU64::new(0), hp: AtomicU64::new(pack(holders::EMPTY, FREE)) }
-    }
     #[inline]
     pub fn hash(&self) -> u64 {
         self.hash.load(Acquire)
@@ -98,7 +104,7 @@ impl Node {
     pub fn set_parent(&self, p: u32) {
         debug_assert!(p as u64 <= PARENT_MASK);
         let old = self.hp.load(Relaxed);
-        self.hp.store((old & !(PARENT_MASK << 32)) | (p as u64) << 32, Release);
+        self.hp.store((old & !(PARENT_MASK << 32)) | (pack(0, p) & PARENT_MASK << 32), Release);
     }
     /// Writer only: the child class (0..=3).
     #[inline]

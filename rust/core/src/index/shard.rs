@@ -17,8 +17,11 @@ pub(crate) use super::view::{mix, RetiredTable, Shared};
 /// `Shard::slot_under`); slots on the free list have 0.
 const RESERVED: u32 = 1;
 /// Longest run tail a store moves to grow a run in place, and the most slots a run reserves.
-const MAX_MOVE: usize = 128;
-pub(crate) const MAX_RUN: usize = 256;
+/// (From 128 / 256: a 1024-block match then left its runs ~4 times, not ~10, through the table,
+/// 1.17 -> 0.83 us on the index race's interleaved W = 8 stream, at the same store rate and
+/// 16.4 -> 14.0 bytes per entry; `benches/index_race`.)
+const MAX_MOVE: usize = 512;
+pub(crate) const MAX_RUN: usize = 1024;
 const MIN_RUN: usize = 8;
 /// Free slots beyond the live node count at which runs stop moving to the end of the slab.
 const HOLES_ALLOWED: usize = 1024;
@@ -374,15 +377,16 @@ impl Shard {
             // Written as having one child (the next one); the last is corrected below.
             let node = NodeVal { hash: h, holders: hold, tick, parent: p as u32, children: 1 };
             if at_end {
-                self.nodes.push(node);
+                self.nodes.push_unruled(node);
             } else {
-                self.nodes.fill(after, node);
+                self.nodes.fill_unruled(after, node);
             }
             self.table_insert_at(vacant, h, after as u32);
             p = after;
         }
         let n = p - prev as usize;
         if n > 0 {
+            self.nodes.grow_runs(prev as usize + 1, p + 1);
             self.nodes.set_children(prev as usize, 1);
             self.nodes.set_children(p, 0);
             self.live += n;
@@ -395,9 +399,8 @@ impl Shard {
     /// `add_holder` without the arena's cases.
     #[inline]
     pub fn first_holder(&mut self, i: u32, slot: u32, tier: TierMask) {
-        let n = &self.nodes[i as usize];
-        debug_assert!(holders::is_empty(n.holders()));
-        n.set_holders(holders::single(slot, tier));
+        debug_assert!(holders::is_empty(self.nodes[i as usize].holders()));
+        self.nodes.set_holders(i as usize, holders::single(slot, tier));
         self.bump(slot, 1);
     }
 
@@ -405,7 +408,7 @@ impl Shard {
     pub fn add_holder(&mut self, i: u32, slot: u32, tier: TierMask) -> (bool, bool) {
         let h = self.nodes[i as usize].holders();
         let (nh, added) = self.arena.add(h, slot, tier);
-        self.nodes[i as usize].set_holders(nh);
+        self.nodes.set_holders(i as usize, nh);
         // (A set this released is retired by the caller before it lets the shard go: once per
         // store, not per block. Retiring later than needed is always safe.)
         if added.new_entry {
@@ -420,7 +423,7 @@ impl Shard {
     pub fn remove_holder(&mut self, i: u32, slot: u32, tiers: TierMask) -> (bool, usize) {
         let h = self.nodes[i as usize].holders();
         let (nh, gone) = self.arena.remove(h, slot, tiers);
-        self.nodes[i as usize].set_holders(nh);
+        self.nodes.set_holders(i as usize, nh);
         self.arena.retire_pending();
         if gone {
             self.bump(slot, -1);
@@ -502,7 +505,7 @@ impl Shard {
                 continue;
             }
             let (nh, gone) = self.arena.remove(hold, slot, holders::ANY_TIER);
-            self.nodes[i as usize].set_holders(nh);
+            self.nodes.set_holders(i as usize, nh);
             if gone {
                 entries += 1;
                 self.bump(slot, -1);

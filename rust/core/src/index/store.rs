@@ -161,7 +161,7 @@ impl KvIndex {
                 let Some(pi) = g.find(h) else { continue };
                 if g.is_live(oi) && g.node(oi).parent() == ORPHAN && g.orphan_parent.get(&oi) == Some(&h) {
                     g.orphan_parent.remove(&oi);
-                    g.nodes[oi as usize].set_parent(pi);
+                    g.nodes.set_parent(oi as usize, pi);
                     let c = g.nodes.children(pi as usize);
                     g.nodes.set_children(pi as usize, c + 1);
                 }

@@ -94,6 +94,24 @@ impl Table {
         self.slots.len()
     }
 
+    /// Asks the CPU to start loading `hash`'s home group (control word and slots), for a lookup
+    /// the caller expects to make soon: the load overlaps whatever the caller reads meanwhile.
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let pos = home(hash, self.groups);
+            // SAFETY: a prefetch is only a hint: it never faults, and both addresses are in bounds.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.ctrl.as_ptr().add(pos) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(self.slots.as_ptr().add(pos * GROUP) as *const i8);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = hash;
+    }
+
     /// The slot whose key `eq` accepts, probing from `hash`.
     #[inline]
     pub fn find(&self, hash: u64, eq: impl FnMut(u32) -> bool) -> Option<u32> {

@@ -420,11 +420,19 @@ fn runs_are_followed_across_chunks_and_stop_where_holders_change() {
     idx.remove(2, &c[4095..4096], ANY_TIER);
     let m = idx.find_matches(&c, ANY_TIER);
     assert_eq!((m.get(1), m.get(2)), (Some(9000), Some(4095)));
-    // A query that leaves the chain mid-run, and one that ends mid-run.
+    // A query that leaves the chain mid-run (from there on its sequence hashes are another
+    // chain's), and one that ends mid-run.
     let mut q = c[..6000].to_vec();
-    q[5500] ^= 1;
+    q[5500..].iter_mut().for_each(|h| *h ^= 1);
     assert_eq!(depth(&idx, &q, 1), Some(5500));
     assert_eq!(depth(&idx, &c[..4097], 1), Some(4097));
+    // A block deep inside a run (whose ends are untouched) loses its holder: the walk stops there.
+    idx.remove(1, &c[7000..7001], ANY_TIER);
+    let m = idx.find_matches(&c, ANY_TIER);
+    assert_eq!((m.get(1), m.get(2)), (Some(7000), Some(4095)));
+    // And gets it back: the run words cover the run again.
+    idx.store(1, &c[7000..7001], Some(c[6999]), Tier::Device).unwrap();
+    assert_eq!(depth(&idx, &c, 1), Some(9000));
 }
 
 #[test]
@@ -645,5 +653,71 @@ fn chains_stay_in_consecutive_slots_under_churn() {
         let slots: Vec<u32> = c.iter().map(|&h| shard.find(h).expect("a recent session is held")).collect();
         let runs = 1 + slots.windows(2).filter(|w| w[1] != w[0] + 1).count();
         assert!(runs <= 8, "{runs} runs for {} blocks: {slots:?}", c.len());
+    }
+}
+
+/// Long sessions grown turn by turn by several workers, with blocks lost in the middle, whole
+/// workers cleared and runs moved as they grow: every match against a reference that walks the
+/// blocks one by one (the run words let a match check only a run's last slot; this is where a
+/// word that outlived a change would show).
+#[test]
+fn long_runs_agree_with_a_block_by_block_reference() {
+    use crate::random::SplitMix64;
+    use std::collections::{HashMap, HashSet};
+    let mut rng = SplitMix64::new(7);
+    let idx = KvIndex::new(None);
+    // Four sessions of up to 600 blocks on two shared prefixes of 40 blocks.
+    let prefixes: Vec<Vec<u64>> = (0..2).map(|p| chain(900 + p, 40)).collect();
+    let sessions: Vec<Vec<u64>> = (0..4).map(|s| prefixes[s % 2].iter().copied().chain(chain(1000 + s as u64, 560)).collect()).collect();
+    let mut held: HashMap<WorkerId, HashSet<u64>> = HashMap::new();
+    let mut grown: HashMap<(usize, WorkerId), usize> = HashMap::new();
+    let reference = |held: &HashMap<WorkerId, HashSet<u64>>, q: &[u64]| -> Vec<(WorkerId, u32)> {
+        let mut v: Vec<(WorkerId, u32)> =
+            held.iter().map(|(&w, set)| (w, q.iter().take_while(|h| set.contains(h)).count() as u32)).filter(|&(_, d)| d > 0).collect();
+        v.sort_unstable();
+        v
+    };
+    for step in 0..4000 {
+        let s = rng.below(4) as usize;
+        let w = rng.below(5);
+        let p = &sessions[s];
+        match rng.below(10) {
+            0..=5 => {
+                // A turn: the worker stores the next 1-64 blocks of the session (from block 0 if
+                // it has none: a worker prefills the prefix it lacks).
+                let at = *grown.get(&(s, w)).unwrap_or(&0);
+                let end = (at + 1 + rng.below(64) as usize).min(p.len());
+                if at < end {
+                    idx.store(w, &p[at..end], at.checked_sub(1).map(|i| p[i]), Tier::Device).unwrap();
+                    held.entry(w).or_default().extend(&p[at..end]);
+                    grown.insert((s, w), end);
+                }
+            }
+            6 | 7 => {
+                let i = rng.below(p.len() as u64) as usize;
+                let j = (i + 1 + rng.below(3) as usize).min(p.len());
+                idx.remove(w, &p[i..j], ANY_TIER);
+                if let Some(set) = held.get_mut(&w) {
+                    p[i..j].iter().for_each(|h| {
+                        set.remove(h);
+                    });
+                }
+            }
+            8 if rng.below(8) == 0 => {
+                idx.clear(w);
+                held.remove(&w);
+                grown.retain(|&(_, x), _| x != w);
+            }
+            _ => {}
+        }
+        for (q, p) in sessions.iter().enumerate() {
+            let k = 1 + rng.below(p.len() as u64) as usize;
+            let mut got: Vec<(WorkerId, u32)> = {
+                let m = idx.find_matches(&p[..k], ANY_TIER);
+                m.workers.iter().copied().zip(m.depths.iter().copied()).collect()
+            };
+            got.sort_unstable();
+            assert_eq!(got, reference(&held, &p[..k]), "step {step}, session {q}, {k} blocks");
+        }
     }
 }
