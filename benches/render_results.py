@@ -181,6 +181,97 @@ def aisim_verdict(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+#: The index race's figures as the tables name them, in order (summary "figure" -> label).
+_RACE_FIGURES = [
+    ("store_blocks_per_s", "store (M blocks/s)"),
+    ("store_remove_blocks_per_s", "store + remove (M blocks/s)"),
+    ("match p50 us @128", "match 128 blocks, p50 (us)"),
+    ("match p99 us @128", "match 128 blocks, p99 (us)"),
+    ("match p50 us @1024", "match 1024 blocks, p50 (us)"),
+    ("match p99 us @1024", "match 1024 blocks, p99 (us)"),
+    ("match p50 us @replayed", "match, replayed prompts, p50 (us)"),
+    ("match p99 us @replayed", "match, replayed prompts, p99 (us)"),
+    ("bytes per entry", "bytes per (block, worker) entry"),
+    ("conc p99 us beside writer @128", "128 blocks beside a 1M blocks/s writer, p99 (us)"),
+    ("conc p99 writer/idle @128", "128 blocks, p99 beside the writer / idle"),
+    ("conc p99 us beside writer @1024", "1024 blocks beside a 1M blocks/s writer, p99 (us)"),
+    ("conc p99 writer/idle @1024", "1024 blocks, p99 beside the writer / idle"),
+    ("conc 2-reader match/s @128", "two readers, 128 blocks (M matches/s)"),
+    ("conc 2-reader match/s @1024", "two readers, 1024 blocks (M matches/s)"),
+]
+
+
+def _race_cells(res: dict[str, Any]) -> tuple[list[tuple[str, int]], dict[tuple[str, str, int], dict[str, Any]]]:
+    cols: list[tuple[str, int]] = []
+    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in res["summary"]:
+        col = (r["workload"], r["workers"])
+        if col not in cols:
+            cols.append(col)
+        cells[(r["figure"], *col)] = r
+    return cols, cells
+
+
+def _race_value(fig: str, v: float) -> str:
+    if "blocks_per_s" in fig or "match/s" in fig:
+        return f"{v / 1e6:.1f}"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}"
+
+
+def _race_figures(cells: dict[tuple[str, str, int], dict[str, Any]]) -> list[tuple[str, str]]:
+    """The figures the run has, in table order: the known ones, then any others (concurrent)."""
+    have = {k[0] for k in cells}
+    known = [(f, label) for f, label in _RACE_FIGURES if f in have]
+    rest = sorted(have - {f for f, _ in _RACE_FIGURES})
+    return known + [(f, f) for f in rest]
+
+
+def _race_footer(res: dict[str, Any]) -> str:
+    quick = " (a `--quick` smoke run)" if res.get("quick") else ""
+    return f"`{res['command']}` at {res['commit']}{quick}, {res['machine']}, {res['date']}."
+
+
+def index_race_headline(res: dict[str, Any]) -> str:
+    """README: kvroute's advantage over the better of Dynamo's indexers, per figure and stream."""
+    cols, cells = _race_cells(res)
+    out = ["| figure | " + " | ".join(f"{w} W={n}" for w, n in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for fig, label in _race_figures(cells):
+        row = []
+        for col in cols:
+            c = cells.get((fig, *col))
+            adv = c and c.get("kvroute_advantage")
+            if c and "writer/idle" in fig:
+                row.append(f"{c['kvroute']:.2f}")  # kvroute's own ratio: the target is <= 2
+            else:
+                row.append(f"{_race_value(fig, c['kvroute'])}: {adv:.2f}x" if adv else "")
+        out.append(f"| {label} | " + " | ".join(row) + " |")
+    out += [
+        "",
+        "Each cell: kvroute's figure, then its advantage over the better of Dynamo's two indexers on that",
+        "figure in the same run (above 1x: kvroute better); the p99 beside the writer / idle rows are",
+        f"kvroute's own ratio. {_race_footer(res)}",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def index_race(res: dict[str, Any]) -> str:
+    """docs/benchmarks.md: every figure with both sides and which Dynamo indexer was the better."""
+    cols, cells = _race_cells(res)
+    out = ["| stream | figure | kvroute | better Dynamo indexer | kvroute's advantage |", "|---|---|---:|---:|---:|"]
+    for col in cols:
+        for fig, label in _race_figures(cells):
+            c = cells.get((fig, *col))
+            if not c or c.get("kvroute") is None or c.get("best_dynamo") is None:
+                continue
+            adv = c.get("kvroute_advantage")
+            out.append(
+                f"| {col[0]} W={col[1]} | {label} | {_race_value(fig, c['kvroute'])} | "
+                f"{_race_value(fig, c['best_dynamo'])} ({c['best_dynamo_indexer']}) | {adv:.2f}x |"
+            )
+    out += ["", _race_footer(res)]
+    return "\n".join(out) + "\n"
+
+
 #: Block name -> (the results file's "benchmark", the renderer).
 def ab_commit(res: dict[str, Any]) -> str:
     names = {
@@ -208,6 +299,8 @@ RENDERERS = {
     "aisim_speed": ("aisim_speed", aisim_speed),
     "aisim_headline": ("aisim_suite", aisim_headline),
     "aisim_verdict": ("aisim_suite", aisim_verdict),
+    "index_race": ("index_race", index_race),
+    "index_race_headline": ("index_race", index_race_headline),
 }
 
 
