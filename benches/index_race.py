@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     summary = next((r["summary"] for r in rows if "summary" in r), [])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "rust/core", "benches/index_race"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "rust/core", "benches/index_race"], cwd=ROOT, capture_output=True, text=True
+    )
     doc = {
         "benchmark": "index_race",
         "command": " ".join(["python benches/index_race.py", *(["--quick"] if a.quick else []), *(["--", *extra] if extra else [])]),
