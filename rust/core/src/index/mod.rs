@@ -367,8 +367,13 @@ impl KvIndex {
         g
     }
 
-    /// Finds the shard holding node `h`, preferring one where `slot` holds it.
+    /// Finds the shard holding node `h`, preferring one where `slot` holds it. Reads the shards as
+    /// matches do, without their locks (a block that is not a chain's root lives in its root's
+    /// shard, which only a hint names, so a removal may look in all 16; taking each shard's lock
+    /// for that made a small replay's removals cost more than its stores). The caller locks the
+    /// shard it gets and finds `h` there again.
     fn locate(&self, h: u64, slot: Option<u32>, first: Option<usize>) -> Option<usize> {
+        let guard = crossbeam_epoch::pin();
         let mut fallback = None;
         let order = first.into_iter().chain(self.hinted_shard(h)).chain(std::iter::once(root_shard(h))).chain(0..NUM_SHARDS);
         let mut seen = 0u32;
@@ -377,14 +382,13 @@ impl KvIndex {
                 continue;
             }
             seen |= 1 << s;
-            let g = self.shard(s).read();
-            if let Some(i) = g.find(h) {
-                match slot {
-                    Some(sl) if g.arena.tiers(g.node(i).holders(), sl) == 0 => {
-                        fallback.get_or_insert(s);
-                    }
-                    _ => return Some(s),
+            let v = self.shards[s].shared.view(&guard);
+            let Some(hold) = v.find(h).and_then(|i| v.holders_of(i, h)) else { continue };
+            match slot {
+                Some(sl) if v.word(hold, holders::ANY_TIER, (sl / 64) as usize) & (1 << (sl % 64)) == 0 => {
+                    fallback.get_or_insert(s);
                 }
+                _ => return Some(s),
             }
         }
         fallback

@@ -54,7 +54,7 @@ impl Default for Shared {
             graveyard_tx,
             graveyard: Mutex::new(graveyard),
             chunks: Atomic::new(ChunkDir::empty()),
-            table: Atomic::new(Table::with_buckets(table::buckets_for(0))),
+            table: Atomic::new(Table::with_buckets(table::buckets_for(FIRST_TABLE_ITEMS))),
             retired_tables: Default::default(),
             sets: Atomic::new(SetDir::with_capacity(0)),
         }
@@ -115,6 +115,11 @@ impl Shared {
     }
 }
 
+/// Nodes a shard's first table takes before it grows (~1.5 KiB per shard): from 14, a small index's
+/// stores spent more time growing and swapping tables (each growth publishes a copy and retires the
+/// old one through the epoch) than storing.
+const FIRST_TABLE_ITEMS: usize = 256;
+
 /// Freeing a table at least this large hands free heap memory back to the OS.
 const TRIM_AFTER_BYTES: usize = 256 << 10;
 
@@ -162,6 +167,14 @@ impl<'g> View<'g> {
     pub fn find(&self, h: u64) -> Option<u32> {
         let chunks = self.chunks;
         self.table.find(mix(h), |i| chunks.get(i as usize).is_some_and(|n| n.hash() == h))
+    }
+
+    /// Node `i`'s holders, if it is `h`'s node (holders and parent in one load, then the hash).
+    #[inline]
+    pub fn holders_of(&self, i: u32, h: u64) -> Option<Holders> {
+        let n = self.node(i)?;
+        let (hold, parent) = unpack(n.hp());
+        (parent != FREE && n.hash() == h).then_some(hold)
     }
 
     /// Node `i` as `h`'s node under `prev`, with its holders: holders and parent in one load,
