@@ -231,29 +231,6 @@ def _race_footer(res: dict[str, Any]) -> str:
     return f"`{res['command']}` at {res['commit']}{quick}, {res['machine']}, {res['date']}."
 
 
-def index_race_headline(res: dict[str, Any]) -> str:
-    """README: kvroute's advantage over the better of Dynamo's indexers, per figure and stream."""
-    cols, cells = _race_cells(res)
-    out = ["| figure | " + " | ".join(f"{w} W={n}" for w, n in cols) + " |", "|---|" + "---:|" * len(cols)]
-    for fig, label in _race_figures(cells):
-        row = []
-        for col in cols:
-            c = cells.get((fig, *col))
-            adv = c and c.get("kvroute_advantage")
-            if c and "writer/idle" in fig:
-                row.append(f"{c['kvroute']:.2f}")  # kvroute's own ratio: the target is <= 2
-            else:
-                row.append(f"{_race_value(fig, c['kvroute'])}: {adv:.2f}x" if adv else "")
-        out.append(f"| {label} | " + " | ".join(row) + " |")
-    out += [
-        "",
-        "Each cell: kvroute's figure, then its advantage over the better of Dynamo's two indexers on that",
-        "figure in the same run (above 1x: kvroute better); the p99 beside the writer / idle rows are",
-        f"kvroute's own ratio. {_race_footer(res)}",
-    ]
-    return "\n".join(out) + "\n"
-
-
 def index_race(res: dict[str, Any]) -> str:
     """docs/benchmarks.md: every figure with both sides and which Dynamo indexer was the better."""
     cols, cells = _race_cells(res)
@@ -269,6 +246,31 @@ def index_race(res: dict[str, Any]) -> str:
                 f"{_race_value(fig, c['best_dynamo'])} ({c['best_dynamo_indexer']}) | {adv:.2f}x |"
             )
     out += ["", _race_footer(res)]
+    return "\n".join(out) + "\n"
+
+
+def index_race_brief(res: dict[str, Any]) -> str:
+    """README: kvroute's advantage per figure, lowest and highest over the streams with ~1M entries."""
+    rows = [r for r in res["summary"] if r["workload"] != "vllm-replay" and r.get("kvroute") is not None]
+    streams = sorted({(r["workload"], r["workers"]) for r in rows})
+    figures = [
+        ("match p50 us @128", "match, 128 blocks, p50"),
+        ("match p99 us @128", "match, 128 blocks, p99"),
+        ("match p50 us @1024", "match, 1024 blocks, p50"),
+        ("match p99 us @1024", "match, 1024 blocks, p99"),
+        ("store", "store (and remove, with churn)"),
+        ("bytes per entry", "memory per (block, worker) entry"),
+    ]
+    out = ["| figure | kvroute's advantage over Dynamo's better indexer |", "|---|---:|"]
+    for key, label in figures:
+        adv = [r["kvroute_advantage"] for r in rows if r["figure"].startswith(key) and r.get("kvroute_advantage")]
+        if adv:
+            out.append(f"| {label} | {min(adv):.2f}x to {max(adv):.2f}x |")
+    ratio = [r["kvroute"] for r in rows if "writer/idle" in r["figure"]]
+    if ratio:
+        out.append(f"| reader p99 beside a 1M blocks/s writer, against idle | at most {max(ratio):.2f}x |")
+    names = ", ".join(f"{w} W={n}" for w, n in streams)
+    out += ["", f"Lowest and highest over {len(streams)} streams ({names}; ~1M entries). {_race_footer(res)}"]
     return "\n".join(out) + "\n"
 
 
@@ -300,7 +302,7 @@ RENDERERS = {
     "aisim_headline": ("aisim_suite", aisim_headline),
     "aisim_verdict": ("aisim_suite", aisim_verdict),
     "index_race": ("index_race", index_race),
-    "index_race_headline": ("index_race", index_race_headline),
+    "index_race_brief": ("index_race", index_race_brief),
 }
 
 
