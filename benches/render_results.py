@@ -274,6 +274,16 @@ def index_race_brief(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def install_time(res: dict[str, Any]) -> str:
+    """README: how long a fresh `pip install .` took."""
+    m, sec = divmod(round(res["seconds"]), 60)
+    took = f"{m} min {sec} s" if m else f"{sec} s"
+    return (
+        f"A fresh `pip install .` took {took} on a quiet machine with cargo's crate downloads cached "
+        f"(`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}).\n"
+    )
+
+
 #: Block name -> (the results file's "benchmark", the renderer).
 def ab_commit(res: dict[str, Any]) -> str:
     names = {
@@ -303,6 +313,7 @@ RENDERERS = {
     "aisim_verdict": ("aisim_suite", aisim_verdict),
     "index_race": ("index_race", index_race),
     "index_race_brief": ("index_race", index_race_brief),
+    "install_time": ("install_time", install_time),
 }
 
 
