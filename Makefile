@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CRATES := -p kvroute-core -p kvroute-dataplane -p kvroute-aisim
 
-.PHONY: dev build test test-rust test-python test-aisim lint fmt bench bench-peers e2e ci readme-test
+.PHONY: dev build test test-rust test-python test-aisim lint docs fmt bench bench-peers e2e ci readme-test
 dev:
 	python3 -m venv $(VENV) && $(PIP) install -q maturin ".[test,lint]"
 	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release --features aisim
@@ -21,6 +21,11 @@ test-python:
 # The realistic engine model: the wheel built with the aisim feature (docs/simulator.md); leaves it installed.
 test-aisim:
 	MATURIN_PEP517_ARGS="--features aisim" $(PIP) install -q . && KVROUTE_REQUIRE_AISIM=1 $(PY) -m pytest -q tests/sim/test_aisim.py
+# The documentation site (mkdocs.yml): guides, the generated CLI and Python API reference; --strict
+# fails on a broken link or anchor.
+docs:
+	$(PIP) install -q mkdocs "mkdocstrings[python]"
+	$(PY) -m mkdocs build --strict --quiet -d .ci/site
 lint:
 	cargo fmt --all --check
 	cargo clippy -q --workspace --all-targets -- -D warnings
@@ -51,4 +56,5 @@ readme-test:
 ci: test-rust readme-test test-aisim
 	$(PIP) install -q ruff mypy
 	$(MAKE) lint
+	$(MAKE) docs
 	$(MAKE) e2e

@@ -567,8 +567,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from kvroute import KvrouteError, __version__
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvroute` command's parser, with its subcommands (docs/reference/cli.md is generated from it)."""
+    from kvroute import __version__
 
     parser = OneLineErrors(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
@@ -578,6 +579,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvroute.gateway.cli import add_serve_parser  # the gateway's `serve` (needs the gateway extra only when run)
 
     add_serve_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvroute import KvrouteError
+
+    parser = build_parser()
     a = parser.parse_args(argv)
     if not getattr(a, "func", None):
         parser.print_help()
