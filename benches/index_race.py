@@ -10,12 +10,14 @@ and its summary), which benches/render_results.py renders into README.md and doc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -54,24 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         return proc.returncode
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     summary = next((r["summary"] for r in rows if "summary" in r), [])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", "rust/core", "benches/index_race"], cwd=ROOT, capture_output=True, text=True
     )
-    doc = {
-        "benchmark": "index_race",
-        "command": " ".join(["python benches/index_race.py", *(["--quick"] if a.quick else []), *(["--", *extra] if extra else [])]),
-        "commit": commit + ("+dirty" if dirty.stdout.strip() else ""),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs",
-        "date": datetime.date.today().isoformat(),
-        "quick": a.quick,
-        "rows": [r for r in rows if "summary" not in r],
-        "summary": summary,
-    }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    command = " ".join(["python benches/index_race.py", *(["--quick"] if a.quick else []), *(["--", *extra] if extra else [])])
+    doc = results_file.header("index_race", command, machine=f"{_cpu_model()}, {os.cpu_count()} CPUs")
+    if dirty.stdout.strip():
+        doc["commit"] += "+dirty"
+    doc.update({"quick": a.quick, "rows": [r for r in rows if "summary" not in r], "summary": summary})
+    results_file.write(a.out, doc)
     print(f"wrote {a.out}; render it with: python benches/render_results.py", file=sys.stderr)
     return 0
 

@@ -7,14 +7,14 @@ written to benches/results/install_time.json and rendered into the README by ren
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -22,30 +22,20 @@ OUT = os.path.join(HERE, "results", "install_time.json")
 
 
 def main() -> int:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    doc = results_file.header("install_time", "python benches/install_time.py")
     with tempfile.TemporaryDirectory(prefix="kvroute-install-") as tmp:
         src, venv = os.path.join(tmp, "src"), os.path.join(tmp, "venv")
         subprocess.run(["git", "clone", "-q", ROOT, src], check=True)
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         pip = os.path.join(venv, "bin", "pip")
         subprocess.run([pip, "install", "-q", "--upgrade", "pip"], check=True)
-        print(f"timing `pip install .` of {commit} ...", file=sys.stderr)
+        print(f"timing `pip install .` of {doc['commit']} ...", file=sys.stderr)
         t = time.monotonic()
         subprocess.run([pip, "install", "-q", "."], cwd=src, check=True)
         secs = time.monotonic() - t
         check = subprocess.run([os.path.join(venv, "bin", "kvroute"), "--version"], capture_output=True, text=True, check=True)
-    doc = {
-        "benchmark": "install_time",
-        "command": "python benches/install_time.py",
-        "commit": commit,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, CPython {platform.python_version()}",
-        "date": datetime.date.today().isoformat(),
-        "seconds": round(secs, 1),
-        "installed": check.stdout.strip(),
-    }
-    with open(OUT, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    doc.update({"seconds": round(secs, 1), "installed": check.stdout.strip()})
+    results_file.write(OUT, doc)
     print(f"{secs:.0f} s; wrote {OUT}", file=sys.stderr)
     return 0
 

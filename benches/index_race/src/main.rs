@@ -233,18 +233,7 @@ fn from_common(name: &str, workers: u64, sessions: Vec<common::Session>, stores:
         chains.push(Chain { seq, local });
     }
     drop(sessions);
-    let mut st = Stream {
-        name: name.into(),
-        workers,
-        ops: Vec::with_capacity(stores.len() * 2),
-        seq: Vec::new(),
-        local: Vec::new(),
-        rm: Vec::new(),
-        chains: Vec::new(),
-        stored: 0,
-        removed: 0,
-        note: String::new(),
-    };
+    let mut st = Stream::new(name.into(), workers);
     for s in &stores {
         if !s.evicted.is_empty() {
             let a = st.rm.len();
@@ -293,18 +282,7 @@ fn vllm_stream(path: &str) -> Stream {
     let f = std::fs::File::open(path).unwrap_or_else(|e| die(&format!("cannot open {path}: {e}")));
     let doc: Value = serde_json::from_reader(flate2::read::GzDecoder::new(f)).unwrap_or_else(|e| die(&format!("{path}: {e}")));
     let bs = doc["block_size"].as_u64().unwrap_or_else(|| die("recording has no block_size")) as usize;
-    let mut st = Stream {
-        name: "vllm-replay".into(),
-        workers: 1,
-        ops: Vec::new(),
-        seq: Vec::new(),
-        local: Vec::new(),
-        rm: Vec::new(),
-        chains: Vec::new(),
-        stored: 0,
-        removed: 0,
-        note: String::new(),
-    };
+    let mut st = Stream::new("vllm-replay".into(), 1);
     let mut eng: HashMap<u64, u64> = HashMap::new(); // engine hash -> sequence hash
     let mut aliases: HashMap<u64, u32> = HashMap::new(); // sequence hash -> engine hashes naming it
     let mut info: HashMap<u64, (Option<u64>, u64)> = HashMap::new(); // seq -> (parent seq, local)
@@ -559,6 +537,23 @@ fn dyn_depths(s: &OverlapScores) -> Depths {
     v
 }
 
+impl Stream {
+    fn new(name: String, workers: u64) -> Self {
+        Stream {
+            name,
+            workers,
+            ops: Vec::new(),
+            seq: Vec::new(),
+            local: Vec::new(),
+            rm: Vec::new(),
+            chains: Vec::new(),
+            stored: 0,
+            removed: 0,
+            note: String::new(),
+        }
+    }
+}
+
 impl Side {
     /// One inline match, its answer dropped (the size returned so it is not optimised away).
     #[inline]
@@ -638,6 +633,19 @@ impl Kind {
 
 /// Builds a fresh index of `kind` from the whole stream; returns it and the seconds the writes
 /// took (pools: enqueueing every event plus the flush). Dynamo's events are built before timing.
+/// A Dynamo backend behind a `ThreadPoolIndexer` of `n` threads, fed the stream's events: enqueued,
+/// then flushed, timed together.
+fn pool_build<T: SyncIndexer>(backend: T, n: usize, s: &Stream) -> (ThreadPoolIndexer<T>, f64) {
+    let p = ThreadPoolIndexer::new(backend, n, DYN_BLOCK_SIZE);
+    let evs = s.dyn_events();
+    let t = Instant::now();
+    for e in evs {
+        p.enqueue_event(e).unwrap();
+    }
+    futures::executor::block_on(p.flush());
+    (p, t.elapsed().as_secs_f64())
+}
+
 fn build(kind: Kind, s: &Stream) -> (Side, f64) {
     match kind {
         Kind::Kv => {
@@ -660,25 +668,11 @@ fn build(kind: Kind, s: &Stream) -> (Side, f64) {
             (Side::Kv(idx), secs)
         }
         Kind::Crtc(n) => {
-            let p = ThreadPoolIndexer::new(Crtc::new(), n, DYN_BLOCK_SIZE);
-            let evs = s.dyn_events();
-            let t = Instant::now();
-            for e in evs {
-                p.enqueue_event(e).unwrap();
-            }
-            futures::executor::block_on(p.flush());
-            let secs = t.elapsed().as_secs_f64();
+            let (p, secs) = pool_build(Crtc::new(), n, s);
             (Side::CrtcPool(p), secs)
         }
         Kind::PosPool(n) => {
-            let p = ThreadPoolIndexer::new(positional(), n, DYN_BLOCK_SIZE);
-            let evs = s.dyn_events();
-            let t = Instant::now();
-            for e in evs {
-                p.enqueue_event(e).unwrap();
-            }
-            futures::executor::block_on(p.flush());
-            let secs = t.elapsed().as_secs_f64();
+            let (p, secs) = pool_build(positional(), n, s);
             (Side::PosPool(p), secs)
         }
         Kind::PosDirect => {
@@ -710,25 +704,14 @@ fn pct(xs: &[f64], q: f64) -> f64 {
     xs[((xs.len() as f64 * q) as usize).min(xs.len() - 1)]
 }
 
-/// Match latencies (us, sorted): one warm-up round, then at least `rounds` rounds over `qs` and
-/// until `min_time` has passed.
+/// Match latencies (us, sorted): one warm-up round, then `common::latencies`.
 fn latencies(side: &Side, qs: &[Query], rounds: usize, min_time: Duration) -> Vec<f64> {
     for q in qs {
         black_box(side.find(q));
     }
-    let mut lat = Vec::with_capacity(rounds * qs.len());
-    let t0 = Instant::now();
-    let mut r = 0;
-    while r < rounds || t0.elapsed() < min_time {
-        r += 1;
-        for q in qs {
-            let t = Instant::now();
-            black_box(side.find(q));
-            lat.push(t.elapsed().as_nanos() as f64 / 1000.0);
-        }
-    }
-    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    lat
+    common::latencies(qs, rounds, min_time, |q| {
+        black_box(side.find(q));
+    })
 }
 
 /// Matches per second over `window` with `threads` reader threads.
@@ -801,20 +784,13 @@ fn with_writer(side: &Side, qs: &[Query], ws: &WriterStream, cursor: &mut usize,
                     side.write(&mut wb, *w, seq, local, parent, id);
                     id += 1;
                     let n = stored.fetch_add(seq.len() as u64, Ordering::Relaxed) + seq.len() as u64;
-                    let due = Duration::from_secs_f64(n as f64 / o.writer_rate);
-                    let el = t0.elapsed();
-                    if due > el {
-                        std::thread::sleep(due - el);
-                    }
+                    common::pace(t0, n, o.writer_rate, false);
                 }
                 k += 1;
             }
             k + 1
         });
-        let wait = Instant::now();
-        while stored.load(Ordering::Relaxed) == 0 && wait.elapsed() < Duration::from_secs(2) {
-            std::hint::spin_loop();
-        }
+        common::wait_started(&stored);
         let t0 = Instant::now();
         let lat = latencies(side, qs, o.min_rounds, o.measure);
         let secs = t0.elapsed().as_secs_f64();

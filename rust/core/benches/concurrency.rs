@@ -149,23 +149,10 @@ fn host_scaling(window: Duration) -> (f64, f64) {
     (two_shared / one, two_separate / one)
 }
 
-/// Match latencies (us, sorted): at least `rounds` rounds over `qs`, and rounds until `min_time`
-/// has passed, so that a short match's figure covers as much of the writer's time as a long one's.
+/// Match latencies (us, sorted; see `common::latencies`).
 fn latencies(idx: &KvIndex, qs: &[&[u64]], rounds: usize, min_time: Duration) -> Vec<f64> {
     let (mut sc, mut out) = (MatchScratch::default(), Matches::default());
-    let mut lat = Vec::with_capacity(rounds * qs.len());
-    let t0 = Instant::now();
-    let mut r = 0;
-    while r < rounds || t0.elapsed() < min_time {
-        r += 1;
-        for q in qs {
-            let t = Instant::now();
-            idx.match_into(q, ANY_TIER, &mut sc, &mut out);
-            lat.push(t.elapsed().as_nanos() as f64 / 1000.0);
-        }
-    }
-    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    lat
+    common::latencies(qs, rounds, min_time, |q| idx.match_into(q, ANY_TIER, &mut sc, &mut out))
 }
 
 fn pct(xs: &[f64], q: f64) -> f64 {
@@ -256,26 +243,14 @@ fn main() {
                                 }
                             }
                             let n = stored.fetch_add(chunk.len() as u64, Ordering::Relaxed) + chunk.len() as u64;
-                            let due = Duration::from_secs_f64(n as f64 / 1e6);
-                            let el = t0.elapsed();
-                            if due > el && spin {
-                                while t0.elapsed() < due {
-                                    std::hint::spin_loop();
-                                }
-                            } else if due > el {
-                                std::thread::sleep(due - el);
-                            }
+                            common::pace(t0, n, 1e6, spin);
                         }
                         k += 1;
                     }
                     k + 1
                 });
-                // Measured from the writer's first store on (bounded: a writer that never starts
-                // shows as a 0 blocks/s rate, not as a hang).
-                let wait = Instant::now();
-                while stored.load(Ordering::Relaxed) == 0 && wait.elapsed() < Duration::from_secs(2) {
-                    std::hint::spin_loop();
-                }
+                // Measured from the writer's first store on.
+                common::wait_started(&stored);
                 let t0 = Instant::now();
                 let lat = latencies(&idx, &qs, 40, MEASURE);
                 let secs = t0.elapsed().as_secs_f64();

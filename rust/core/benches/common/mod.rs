@@ -308,3 +308,44 @@ pub fn build_stream(idx: &kvroute_core::KvIndex, sessions: &[Session], stores: &
     }
     n
 }
+
+/// A paced writer's wait: after `done` blocks since `t0`, until `rate` blocks/s says they were due,
+/// spinning (`spin`: no wake-up latency in the readers' tail) or sleeping.
+pub fn pace(t0: std::time::Instant, done: u64, rate: f64, spin: bool) {
+    let due = std::time::Duration::from_secs_f64(done as f64 / rate);
+    let el = t0.elapsed();
+    if due > el && spin {
+        while t0.elapsed() < due {
+            std::hint::spin_loop();
+        }
+    } else if due > el {
+        std::thread::sleep(due - el);
+    }
+}
+
+/// Waits (at most 2 s) until a paced writer has stored its first blocks, so a measurement beside it
+/// starts with it (a writer that never starts shows as a 0 blocks/s rate, not as a hang).
+pub fn wait_started(stored: &std::sync::atomic::AtomicU64) {
+    let wait = std::time::Instant::now();
+    while stored.load(std::sync::atomic::Ordering::Relaxed) == 0 && wait.elapsed() < std::time::Duration::from_secs(2) {
+        std::hint::spin_loop();
+    }
+}
+
+/// Latencies (us, sorted) of `f` over `qs`: at least `rounds` rounds, and rounds until `min_time`
+/// has passed, so that a short call's figure covers as much of a writer's time as a long one's.
+pub fn latencies<Q>(qs: &[Q], rounds: usize, min_time: std::time::Duration, mut f: impl FnMut(&Q)) -> Vec<f64> {
+    let mut lat = Vec::with_capacity(rounds * qs.len());
+    let t0 = std::time::Instant::now();
+    let mut r = 0;
+    while r < rounds || t0.elapsed() < min_time {
+        r += 1;
+        for q in qs {
+            let t = std::time::Instant::now();
+            f(q);
+            lat.push(t.elapsed().as_nanos() as f64 / 1000.0);
+        }
+    }
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    lat
+}

@@ -1,0 +1,32 @@
+"""Results files (benches/results/*.json): the header every one carries (benchmark, command, commit,
+machine, date) and writing one; benches/render_results.py renders them into the docs."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def header(benchmark: str, command: str, machine: str | None = None) -> dict[str, Any]:
+    """The fields every results file starts with; `machine` defaults to arch, CPUs and CPython."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {
+        "benchmark": benchmark,
+        "command": command,
+        "commit": commit,
+        "machine": machine or f"{platform.machine()}, {os.cpu_count()} CPUs, CPython {platform.python_version()}",
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write(path: str, doc: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
