@@ -36,8 +36,10 @@ class Cluster(ServeApp):
         # No engine /metrics polling after the first (an hour apart): the failover test needs the
         # routers to learn of a dead engine from a failed request, not from a refused poll.
         kwargs = {"block_size": 16, "metrics_interval": 3600.0}
-        app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs=kwargs, ingress_replicas=2)
-        super().__init__(app, timeout=60.0)
+        # Four replicas (two engines, two ingresses) at half a CPU each: the app places on a 2-CPU
+        # cluster (with Serve's default of one CPU per replica it would need four).
+        app = build_app([{"engine_url": e.url} for e in self.engines], request_router_kwargs=kwargs, ingress_replicas=2, num_cpus=0.5)
+        super().__init__(app, timeout=60.0, num_cpus=2)
 
     def close(self) -> None:
         super().close()

@@ -15,10 +15,10 @@ from vllm_bed import free_port
 class ServeApp:
     """``ray.init`` + ``serve.start`` on a free port + ``serve.run(app)``; ``close()`` shuts both down."""
 
-    def __init__(self, app: Any, env_vars: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, app: Any, env_vars: dict[str, str] | None = None, timeout: float = 120.0, num_cpus: int = 4) -> None:
         self.port = free_port()
         self.timeout = timeout
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env_vars or {}})
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env_vars or {}})
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": self.port})
             serve.run(app, name="kvroute", route_prefix="/")

@@ -484,17 +484,23 @@ def build_app(
     ingress_replicas: int = 1,
     max_ongoing_requests: int = 16,
     max_attempts: int = 3,
+    num_cpus: float = 1.0,
 ) -> Any:
     """A Serve application: ``OpenAIIngress`` (``ingress_replicas``, each holding a handle and so a
     router; ``max_attempts`` calls per request when engines are unavailable) in front of one
     ``EngineReplica`` per engine, routed by ``request_router_class`` (``None``: Serve's default
-    power-of-two-choices)."""
+    power-of-two-choices). Each replica reserves ``num_cpus`` of the cluster (Serve's default, 1):
+    ``len(engines) + ingress_replicas`` replicas in all. They only relay HTTP, so a fraction (0.5)
+    lets them share a small machine."""
     from ray.serve.config import RequestRouterConfig
 
     # Typed loosely: Ray's stubs declare request_router_class a dict, and deployment()'s overloads vary by version.
     config: Any = RequestRouterConfig
     deployment: Any = serve.deployment
-    options: dict[str, Any] = {"num_replicas": len(engines), "max_ongoing_requests": max_ongoing_requests}
+    if not num_cpus > 0:
+        raise ValueError(f"num_cpus must be > 0, got {num_cpus!r}")
+    actor = {"num_cpus": num_cpus}
+    options: dict[str, Any] = {"num_replicas": len(engines), "max_ongoing_requests": max_ongoing_requests, "ray_actor_options": actor}
     if request_router_class is not None:
         options["request_router_config"] = config(
             request_router_class=request_router_class, request_router_kwargs=dict(request_router_kwargs or {})
@@ -502,6 +508,6 @@ def build_app(
     engine = deployment(EngineReplica, name="Engine").options(**options).bind(engines)
     return (
         deployment(OpenAIIngress, name="Ingress")
-        .options(num_replicas=ingress_replicas, max_ongoing_requests=256)
+        .options(num_replicas=ingress_replicas, max_ongoing_requests=256, ray_actor_options=actor)
         .bind(engine, max_attempts)
     )
