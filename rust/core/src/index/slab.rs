@@ -11,9 +11,10 @@
 //! costs 16 bytes, not 20. A node's child count is in its `hp` word as a class (0, 1, 2, or 3 for
 //! "3 or more"); the counts of the few nodes with 3 or more (branch points) are kept here.
 //!
-//! Run words. Beside each chunk, one word per aligned group of `RUN` slots says how many of the
-//! group's leading slots form a uniform run: consecutive slots, each after the first the child of
-//! the slot before it, all with the same holders encoding (`(len, holders)`). A match that has
+//! Run words. Beside each chunk, one word per aligned group of `RUN` slots names the stretch of the
+//! group that forms a uniform run: consecutive slots, each after the first the child of the slot
+//! before it, all with the same holders encoding (`RunWord`: start, end, holders, and whether the
+//! group's first slot continues the group before, so runs are followed across groups). A match that has
 //! reached a slot inside such a run checks only the run's last slot it needs (its hash, parent and
 //! holders): sequence hashes identify their whole prefix, so a hash found at the end of a chain of
 //! parent links from the match's block means every block between is the request's too, and the
@@ -71,6 +72,8 @@ struct RunWord {
 }
 
 impl RunWord {
+    const EMPTY: RunWord = RunWord { holders: 0, start: 0, end: 0, linked: false };
+
     #[inline]
     fn pack(self) -> u64 {
         self.holders as u64 | (self.start as u64) << 32 | (self.end as u64) << 40 | (self.linked as u64) << 48
@@ -367,7 +370,7 @@ impl Slab {
         if r.start <= off && off < r.end {
             r.end = off;
             if r.end == r.start {
-                r = RunWord { holders: 0, start: 0, end: 0, linked: false };
+                r = RunWord::EMPTY;
             }
             w.store(r.pack(), Relaxed);
             fence(Release);

@@ -217,44 +217,47 @@ impl<'g> View<'g> {
         let mut n = 0;
         let mut cur = i as usize;
         while n < hashes.len() {
-            let left = hashes.len() - n;
-            if let Some(end) = self.chunks.run_end(cur + 1, holders) {
-                let e = end.min(cur + left);
-                let k = e - cur;
-                if k < left {
-                    // Where the run ends the walk goes on through the table, most often: start
-                    // loading that lookup while the run's last slot is read.
-                    self.table.prefetch(mix(hashes[n + k]));
-                }
-                let last = self.chunks.get(e).is_some_and(|nd| nd.hp() == pack(holders, (e - 1) as u32) && nd.hash() == hashes[n + k - 1]);
-                if last {
-                    if let Some(t) = touch {
-                        self.chunks.tick_tail(cur + 1).iter().take(k).for_each(|tick| refresh(tick, t));
+            // Across a run word's run (all of it, `whole`), else slot by slot: a group's first slot
+            // alone (the run word then covers the slots after it), else the rest of the group.
+            let (k, whole) = match self.run_skip(cur, &hashes[n..], holders) {
+                Some(k) => (k, true),
+                None => {
+                    let tail = self.chunks.chunk_tail(cur + 1);
+                    let off = (cur + 1) & (RUN - 1);
+                    let m = tail.len().min(hashes.len() - n).min(if off == 0 { 1 } else { RUN - off });
+                    if m == 0 {
+                        break;
                     }
-                    cur = e;
-                    n += k;
-                    continue;
+                    let k = run_in(&tail[..m], &hashes[n..n + m], holders, cur as u32);
+                    (k, k == m)
                 }
-            }
-            let tail = self.chunks.chunk_tail(cur + 1);
-            // A group's first slot alone (the run word then covers the slots after it), else
-            // the rest of the group.
-            let off = (cur + 1) & (RUN - 1);
-            let m = tail.len().min(left).min(if off == 0 { 1 } else { RUN - off });
-            if m == 0 {
-                break;
-            }
-            let k = run_in(&tail[..m], &hashes[n..n + m], holders, cur as u32);
+            };
             if let Some(t) = touch {
                 self.chunks.tick_tail(cur + 1).iter().take(k).for_each(|tick| refresh(tick, t));
             }
             cur += k;
             n += k;
-            if k < m {
+            if !whole {
                 break;
             }
         }
         n
+    }
+
+    /// How many of `hashes` a run word lets the walk take after slot `cur` at once: the run the next
+    /// slot is inside (see `ChunkDir::run_end`), up to its end or the last hash, if that last slot is
+    /// the request's block (hash, parent, holders). `None`: no such run, or the request leaves it.
+    #[inline]
+    fn run_skip(&self, cur: usize, hashes: &[u64], holders: Holders) -> Option<usize> {
+        let e = self.chunks.run_end(cur + 1, holders)?.min(cur + hashes.len());
+        let k = e - cur;
+        if k < hashes.len() {
+            // Where the run ends the walk goes on through the table, most often: start loading
+            // that lookup while the run's last slot is read.
+            self.table.prefetch(mix(hashes[k]));
+        }
+        let last = self.chunks.get(e)?;
+        (last.hp() == pack(holders, (e - 1) as u32) && last.hash() == hashes[k - 1]).then_some(k)
     }
 
     /// Refreshes node `i`'s recency as `touch` says (see `refresh`: a store only when it is stale,
