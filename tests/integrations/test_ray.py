@@ -149,3 +149,9 @@ def test_a_dead_engine_is_failed_over(cluster: Cluster) -> None:
             assert lz["opened"] == lz["finished"] + lz["failed"] + lz["cancelled"] and lz["expired"] == 0, lz
     finally:
         asyncio.run_coroutine_threadsafe(dead.start(port), cluster.loop).result(10)
+
+
+@pytest.mark.parametrize("num_cpus", [0, -1.0, float("nan")])
+def test_build_app_refuses_a_cpu_reservation_that_is_not_positive(num_cpus: float) -> None:
+    with pytest.raises(ValueError, match="num_cpus must be > 0"):
+        build_app([{"engine_url": "http://127.0.0.1:1"}], num_cpus=num_cpus)
