@@ -573,12 +573,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineErrors(prog="kvroute", description="kvroute: cache-aware request routing for disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan,serve}", parser_class=OneLineErrors)
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,plan,serve,epp}", parser_class=OneLineErrors)
     _add_simulate(sub)
     _add_plan(sub)
-    from kvroute.gateway.cli import add_serve_parser  # the gateway's `serve` (needs the gateway extra only when run)
+    # The gateway's `serve` and the endpoint picker's `epp` (need the gateway extra only when run).
+    from kvroute.gateway.cli import add_epp_parser, add_serve_parser
 
     add_serve_parser(sub)
+    add_epp_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from kvroute._core import DataPlane, KvrouteError, Router
 from kvroute.fleet import Engine, Fleet, check_prefix_cache_blocks
 
-__all__ = ["Gateway", "GatewayConfig", "WorkerConfig", "make_gateway", "run", "serve"]
+__all__ = ["Gateway", "GatewayConfig", "WorkerConfig", "make_gateway", "read_endpoints", "run", "serve"]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -97,6 +97,13 @@ class GatewayConfig:
     models_interval: float = 30.0  # re-read each worker's /v1/models (its model pool) every S seconds (0: no pools)
     ca_file: str | None = None  # extra PEM certificates trusted for https:// workers
     threads: int = 1  # the data plane's runtime threads
+    #: Every worker without a ``kv_events`` entry publishes KV events on tcp://its-host:this-port
+    #: (workers that come and go, as an endpoint picker's pods do); None: only ``kv_events``.
+    kv_events_port: int | None = None
+    #: A file listing the workers (``host:port`` or URLs, one per line or a JSON list), re-read
+    #: every ``endpoints_interval`` s: workers appear and go as it changes (docs/epp.md).
+    endpoints_file: str | None = None
+    endpoints_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if self.pd_convention not in PD_CONVENTIONS:
@@ -113,6 +120,10 @@ class GatewayConfig:
             raise ValueError(f"models_interval must be >= 0 (0 turns model pools off), got {self.models_interval}")
         if self.metrics_interval < 0:
             raise ValueError(f"metrics_interval must be >= 0 (0 turns polling off), got {self.metrics_interval}")
+        if self.kv_events_port is not None and not 0 < self.kv_events_port < 65536:
+            raise ValueError(f"kv_events_port must be a TCP port (1..65535), got {self.kv_events_port}")
+        if not self.endpoints_interval > 0:
+            raise ValueError(f"endpoints_interval must be > 0 seconds, got {self.endpoints_interval}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin_token must be at least 8 characters")
 
@@ -149,11 +160,20 @@ def _error(status: int, message: str, kind: str, headers: Mapping[str, str] | No
 class Gateway:
     """The control plane around one data plane on ``router``: see the module docstring."""
 
-    def __init__(self, router: Router, workers: Iterable[WorkerConfig], config: GatewayConfig | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        workers: Iterable[WorkerConfig],
+        config: GatewayConfig | None = None,
+        *,
+        endpoint_template: WorkerConfig | None = None,
+    ) -> None:
         self.router = router
         self.config = cfg = config or GatewayConfig()
+        #: What a worker read from ``endpoints_file`` is configured as (its url replaced).
+        self.endpoint_template = endpoint_template or WorkerConfig("http://127.0.0.1")
         # Without KV events the router learns cache state from its own decisions (approximate mode).
-        insert = cfg.insert_decisions if cfg.insert_decisions is not None else not cfg.kv_events
+        insert = cfg.insert_decisions if cfg.insert_decisions is not None else not self.has_kv_events
         self.plane = DataPlane(
             router,
             pd_convention=cfg.pd_convention,
@@ -187,13 +207,71 @@ class Gateway:
         self.url: str | None = None
         for w in workers:
             self.add_worker(w)
-        if not self.workers:
+        if cfg.endpoints_file is not None:
+            for url in read_endpoints(cfg.endpoints_file):
+                if all(w.url != url for w in self.workers.values()):
+                    self.add_worker(replace(self.endpoint_template, url=url))
+        elif not self.workers:
             raise ValueError("the gateway needs at least one worker (or prefill and decode workers)")
         unknown = set(cfg.kv_events) - {w.url for w in self.workers.values()}
         if unknown:
             raise ValueError(f"kv_events names workers that are not configured: {sorted(unknown)}")
 
+    @property
+    def has_kv_events(self) -> bool:
+        """Whether the workers' KV events feed the index (else routed prefixes do, approximate mode)."""
+        return bool(self.config.kv_events) or self.config.kv_events_port is not None
+
     # ---- workers -----------------------------------------------------------------------
+
+    def _kv_events_of(self, url: str) -> str | None:
+        if url in self.config.kv_events:
+            return self.config.kv_events[url]
+        port = self.config.kv_events_port
+        host = urlsplit(url).hostname
+        if port is None or host is None:
+            return None
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+    def sync_endpoints(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Makes the unified workers exactly ``urls`` (added as ``endpoint_template``); returns the
+        urls (added, removed). Workers that go finish their requests in flight."""
+        want = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        have = {w.url: w for w in self.workers.values()}
+        added = [u for u in want if u not in have]
+        removed = [u for u in have if u not in set(want)]
+        for u in removed:
+            self.remove_worker(have[u].id)
+        for u in added:
+            self.add_worker(replace(self.endpoint_template, url=u))
+        return added, removed
+
+    async def _endpoints_loop(self) -> None:
+        path = cast(str, self.config.endpoints_file)
+        last: list[str] | None = None
+        while True:
+            await asyncio.sleep(self.config.endpoints_interval)
+            try:
+                urls = read_endpoints(path)
+            except (OSError, ValueError) as e:
+                if last is not None:
+                    log.warning("cannot read the endpoints file (%s); the workers stay as they are", e)
+                last = None
+                continue
+            if urls == last:
+                continue
+            last = urls
+            try:
+                added, removed = self.sync_endpoints(urls)
+            except (ValueError, KvrouteError) as e:
+                log.warning("endpoints file %s: %s; the workers stay as they are", path, e)
+                continue
+            for u in added:
+                log.warning("worker %s added (endpoints file)", u)
+                w = next(w for w in self.workers.values() if w.url == u)
+                await self.refresh_models(w)
+            for u in removed:
+                log.warning("worker %s removed (endpoints file)", u)
 
     def add_worker(self, wc: WorkerConfig) -> _Worker:
         if any(w.url == wc.url for w in self.workers.values()):
@@ -204,7 +282,7 @@ class Gateway:
             wc.url,
             wc.url,
             role=cast(Any, wc.role),
-            kv_events=self.config.kv_events.get(wc.url),
+            kv_events=self._kv_events_of(wc.url),
             kv_events_replay=self.config.kv_events_replay.get(wc.url),
             prefill_tokens_per_s=wc.prefill_tokens_per_s,
             decode_tokens_per_s=wc.decode_tokens_per_s,
@@ -404,15 +482,16 @@ class Gateway:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, epp_port: int | None = None) -> str:
         """Starts the control plane's tasks and the data plane on host:port; returns its URL.
-        OSError when the address is taken."""
+        ``epp_port``: also the endpoint picker (Envoy ext_proc + gRPC health) on host:epp_port, its
+        bound address then in ``epp_address``. OSError when an address is taken."""
         self._loop = asyncio.get_running_loop()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, ssl=self._ssl()), auto_decompress=False
         )
         try:
-            if self.config.kv_events:
+            if self.has_kv_events:
                 self.fleet.start_events()
                 # The engines' buffered history first (bounded by the replay timeout), so the first
                 # requests are routed on what the engines already cache.
@@ -421,7 +500,7 @@ class Gateway:
                 # Each worker's models before the first request, so requests go to the right pool.
                 await asyncio.gather(*(self.refresh_models(w) for w in self.workers.values()))
             admin_port = await self._start_admin() if self.config.admin_token else None
-            bound_host, bound_port = self.plane.start(host, port, admin_port=admin_port)
+            bound_host, bound_port = self.plane.start(host, port, admin_port=admin_port, epp_port=epp_port)
         except BaseException:
             await self.stop()
             raise
@@ -430,6 +509,8 @@ class Gateway:
         self._tasks.append(self._loop.create_task(self._watch_loop()))
         if self.config.models_interval > 0:
             self._tasks.append(self._loop.create_task(self._models_loop()))
+        if self.config.endpoints_file is not None:
+            self._tasks.append(self._loop.create_task(self._endpoints_loop()))
         self.url = f"http://{bound_host}:{bound_port}"
         return self.url
 
@@ -457,15 +538,50 @@ class Gateway:
             await self.session.close()
             self.session = None
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0, ready: Callable[[str], None] | None = None) -> None:
+    @property
+    def epp_address(self) -> str | None:
+        """The endpoint picker's "host:port" once started with ``epp_port``."""
+        return self.plane.epp_address
+
+    async def serve(
+        self, host: str = "127.0.0.1", port: int = 0, ready: Callable[[str], None] | None = None, *, epp_port: int | None = None
+    ) -> None:
         """Serves until cancelled; ``ready(url)`` is called once the data plane listens."""
-        url = await self.start(host, port)
+        url = await self.start(host, port, epp_port=epp_port)
         try:
             if ready is not None:
                 ready(url)
             await asyncio.Event().wait()
         finally:
             await self.stop()
+
+
+def read_endpoints(path: str) -> list[str]:
+    """The worker URLs an endpoints file lists: a JSON list, or one per line (``#`` comments);
+    each ``host:port`` (http) or a URL. ValueError names a bad entry."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.strip()
+    if stripped.startswith("["):
+        entries = json.loads(stripped)
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValueError(f"{path}: a JSON endpoints file is a list of strings")
+    else:
+        entries = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    urls = []
+    for e in (e.strip() for e in entries):
+        if not e:
+            continue
+        url = e if "://" in e else f"http://{e}"
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or (port is None and "://" not in e):
+            raise ValueError(f"{path}: endpoint {e!r} is not host:port or http(s)://host[:port]")
+        urls.append(url.rstrip("/"))
+    return list(dict.fromkeys(urls))
 
 
 def make_gateway(
@@ -475,6 +591,7 @@ def make_gateway(
     prefill: Iterable[str | WorkerConfig] = (),
     decode: Iterable[str | WorkerConfig] = (),
     config: GatewayConfig | None = None,
+    endpoint_template: WorkerConfig | None = None,
     **options: Any,
 ) -> Gateway:
     """The gateway around ``router`` (which must not have these workers yet), not yet serving.
@@ -492,7 +609,7 @@ def make_gateway(
         return WorkerConfig(url=w, role=role)
 
     all_workers = [spec(w, "both") for w in workers] + [spec(w, "prefill") for w in prefill] + [spec(w, "decode") for w in decode]
-    return Gateway(router, all_workers, cfg)
+    return Gateway(router, all_workers, cfg, endpoint_template=endpoint_template)
 
 
 async def serve(

@@ -16,7 +16,7 @@ from typing import Any
 from kvroute.cli_args import OneLineErrors, integer, number, port
 from kvroute.router_flags import add_router_flags, router_options
 
-__all__ = ["add_serve_parser", "build_gateway", "cmd_serve"]
+__all__ = ["add_epp_parser", "add_serve_parser", "build_gateway", "cmd_epp", "cmd_serve"]
 
 
 def _mapping(values: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -36,8 +36,50 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
         description="Cache-aware OpenAI-compatible gateway: /v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics and an admin API (see docs/gateway.md).",
     )
+    _add_gateway_arguments(p, epp=False)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def add_epp_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "epp",
+        help="run the Gateway API Inference Extension endpoint picker (Envoy ext_proc) for vLLM/SGLang workers",
+        description="Endpoint picker for Envoy-based gateways (Envoy Gateway, kgateway, Istio, plain Envoy): Envoy's external "
+        "processor on --grpc-port picks each request's worker on the kvroute Router; /metrics, /health and the admin API on "
+        "--port (see docs/epp.md).",
+    )
+    _add_gateway_arguments(p, epp=True)
+    p.set_defaults(func=cmd_epp)
+    return p
+
+
+def _add_gateway_arguments(p: argparse.ArgumentParser, *, epp: bool) -> None:
+    """The flags ``kvroute serve`` and ``kvroute epp`` share (the picker: unified workers only)."""
     g = p.add_argument_group("workers")
     g.add_argument("--worker", action="append", metavar="URL", default=[], help="unified engine base URL (repeatable)")
+    if epp:
+        g.add_argument(
+            "--endpoints-file",
+            metavar="PATH",
+            help="file listing the workers (host:port or URLs, one per line or a JSON list), re-read as it changes: "
+            "on Kubernetes, kept current from the InferencePool's pods by a sidecar (deploy/)",
+        )
+        g.add_argument(
+            "--endpoints-interval", type=number(0, above=True), default=1.0, metavar="S", help="re-read --endpoints-file every S s"
+        )
+        g.add_argument(
+            "--kv-events-port",
+            type=port,
+            metavar="PORT",
+            help="every worker publishes KV events on tcp://its-host:PORT (workers from --endpoints-file included)",
+        )
+    else:
+        _add_pd_arguments(g)
+    _add_common_arguments(p, g, epp=epp)
+
+
+def _add_pd_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--prefill",
         action="append",
@@ -50,6 +92,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
     g.add_argument(
         "--pd-convention", choices=("vllm", "sglang"), default="vllm", help="PD handshake: vllm (kv_transfer_params) or sglang (bootstrap)"
     )
+
+
+def _add_common_arguments(p: argparse.ArgumentParser, g: argparse._ArgumentGroup, *, epp: bool) -> None:
     g.add_argument(
         "--prefill-tokens-per-s",
         type=number(0, above=True),
@@ -63,12 +108,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
         help="each unified/prefill engine's prefix-cache size in KV blocks (vLLM: num_gpu_blocks - 1), which the "
         "default policy charges evictions against (default: unknown, not charged)",
     )
-    add_router_flags(
-        g,
-        ["local_prefill_max_tokens"],
-        local_prefill_max_tokens="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode engine "
-        "(default 0: always disaggregate)",
-    )
+    if not epp:
+        add_router_flags(
+            g,
+            ["local_prefill_max_tokens"],
+            local_prefill_max_tokens="PD, vLLM convention: prompts with at most N uncached tokens are prefilled on the decode "
+            "engine (default 0: always disaggregate)",
+        )
     r = p.add_argument_group(
         "routing", 'Router parameters (docs/router.md); defaults: the Router\'s "gateway" preset with --kv-events, else "gateway_approx"'
     )
@@ -98,7 +144,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
     )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
+    if epp:
+        s.add_argument(
+            "--grpc-port", type=port, default=9002, help="the picker's gRPC port: Envoy ext_proc and gRPC health (default 9002)"
+        )
+        s.add_argument("--port", type=port, default=9090, help="HTTP port of /metrics, /health and /admin (default 9090; 0: any)")
+    else:
+        s.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
     s.add_argument(
         "--admin-token",
         default=os.environ.get("KVROUTE_ADMIN_TOKEN"),
@@ -109,10 +161,22 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
     s.add_argument("--max-in-flight", type=integer(1), default=10000, help="concurrent requests in total (429 above)")
     s.add_argument("--client-key-header", default=None, help="header identifying the client (default: its IP address)")
     s.add_argument(
-        "--max-retries", type=integer(0, 100), default=2, help="retries on another worker before any byte reached the client (default 2)"
+        "--max-retries",
+        type=integer(0, 100),
+        default=2,
+        help="fallback endpoints after the pick (default 2)"
+        if epp
+        else "retries on another worker before any byte reached the client (default 2)",
     )
     s.add_argument("--connect-timeout", type=number(0, above=True), default=5.0, help="seconds to connect to an engine (default 5)")
-    s.add_argument("--read-timeout", type=number(0, above=True), default=600.0, help="longest upstream silence between chunks (seconds)")
+    s.add_argument(
+        "--read-timeout",
+        type=number(0, above=True),
+        default=600.0,
+        help="longest silence of the gateway on a picked request before its load is released (seconds)"
+        if epp
+        else "longest upstream silence between chunks (seconds)",
+    )
     s.add_argument(
         "--client-timeout",
         type=number(0, above=True),
@@ -149,8 +213,6 @@ def add_serve_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentP
         "--threads", type=integer(1, 256), default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)"
     )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.set_defaults(func=cmd_serve)
-    return p
 
 
 def build_gateway(a: argparse.Namespace) -> Any:
@@ -158,7 +220,12 @@ def build_gateway(a: argparse.Namespace) -> Any:
     from kvroute import Router
     from kvroute.gateway.app import GatewayConfig, WorkerConfig, make_gateway
 
+    epp = getattr(a, "command", None) == "epp"
+    if epp:
+        a.prefill, a.decode, a.pd_convention = [], [], "vllm"
     kv_events = _mapping(a.kv_events, "--kv-events")
+    kv_events_port = getattr(a, "kv_events_port", None)
+    endpoints_file = getattr(a, "endpoints_file", None)
     router_kw = router_options(a)
     local = router_kw.get("local_prefill_max_tokens", 0)
     if local < 0:
@@ -167,7 +234,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
         raise argparse.ArgumentTypeError("--local-prefill-max-tokens needs --pd-convention vllm (SGLang decode servers need a bootstrap)")
     # Without KV events the gateway stores each routed prefix in the index itself (approx_ttl): pending
     # prefixes would only duplicate that, and a removal is its own TTL dropping a guess, not an eviction.
-    router = Router(preset="gateway" if kv_events else "gateway_approx", **router_kw)
+    router = Router(preset="gateway" if kv_events or kv_events_port else "gateway_approx", **router_kw)
     tps = a.prefill_tokens_per_s
     pcb = a.prefix_cache_blocks
     if pcb is not None and pcb < 0:
@@ -180,7 +247,9 @@ def build_gateway(a: argparse.Namespace) -> Any:
         prefill.append(WorkerConfig(spec[0], role="prefill", bootstrap_port=port, prefill_tokens_per_s=tps, prefix_cache_blocks=pcb))
     if bool(prefill) != bool(a.decode):
         raise argparse.ArgumentTypeError("PD mode needs both --prefill and --decode workers")
-    if not (a.worker or prefill):
+    if epp and not (a.worker or endpoints_file):
+        raise argparse.ArgumentTypeError("give at least one --worker, or --endpoints-file")
+    if not epp and not (a.worker or prefill):
         raise argparse.ArgumentTypeError("give at least one --worker, or --prefill and --decode workers")
     cfg = GatewayConfig(
         pd_convention=a.pd_convention,
@@ -203,6 +272,9 @@ def build_gateway(a: argparse.Namespace) -> Any:
         models_interval=a.models_interval,
         ca_file=a.ca_file,
         threads=a.threads,
+        kv_events_port=kv_events_port,
+        endpoints_file=endpoints_file,
+        endpoints_interval=getattr(a, "endpoints_interval", 1.0),
     )
     served = _worker_models(a.worker_models, set(a.worker) | {p.url for p in prefill} | set(a.decode))
 
@@ -219,6 +291,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
         prefill=prefill,
         decode=[WorkerConfig(u, role="decode", prefill_tokens_per_s=tps, **models(u)) for u in a.decode],
         config=cfg,
+        endpoint_template=WorkerConfig("http://127.0.0.1", prefill_tokens_per_s=tps, prefix_cache_blocks=pcb),
     )
 
 
@@ -239,30 +312,41 @@ def _worker_models(specs: list[str], urls: set[str]) -> dict[str, list[str]]:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    return _run(a, "serve", None)
+
+
+def cmd_epp(a: argparse.Namespace) -> int:
+    return _run(a, "epp", a.grpc_port)
+
+
+def _run(a: argparse.Namespace, command: str, epp_port: int | None) -> int:
     import asyncio
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         gw = build_gateway(a)
-    except (argparse.ArgumentTypeError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"kvroute serve: error: {e}", file=sys.stderr, flush=True)
+    except (argparse.ArgumentTypeError, ValueError, TypeError, OSError) as e:
+        print(f"kvroute {command}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    return asyncio.run(_serve(gw, a.host, a.port))
+    return asyncio.run(_serve(gw, a.host, a.port, command, epp_port))
 
 
-async def _serve(gw: Any, host: str, port: int) -> int:
+async def _serve(gw: Any, host: str, port: int, command: str = "serve", epp_port: int | None = None) -> int:
     import asyncio
     import signal
 
     def ready(url: str) -> None:
         mode = "exact" if gw.config.tokenizer else "approximate"
-        print(f"======== kvroute gateway on {url} (Rust data plane, {mode} prompts) ========", flush=True)
+        if epp_port is None:
+            print(f"======== kvroute gateway on {url} (Rust data plane, {mode} prompts) ========", flush=True)
+        else:
+            print(f"======== kvroute endpoint picker on grpc://{gw.epp_address} ({mode} prompts; metrics on {url}) ========", flush=True)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = asyncio.ensure_future(gw.serve(host, port, ready))
+    server = asyncio.ensure_future(gw.serve(host, port, ready, epp_port=epp_port))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait((server, stopper), return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
@@ -270,7 +354,7 @@ async def _serve(gw: Any, host: str, port: int) -> int:
         e = server.exception()
         # The address is taken, or another start-up failure: one line (the plane names the address).
         why = str(e) or repr(e)
-        print(f"kvroute serve: error: {why}", file=sys.stderr, flush=True)
+        print(f"kvroute {command}: error: {why}", file=sys.stderr, flush=True)
         return 2
     server.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -26,6 +26,10 @@ pub struct MetricsSnapshot {
     /// Failed dispatches by worker url.
     pub upstream_errors: HashMap<String, u64>,
     pub client_disconnects: u64,
+    /// Endpoint picker: requests Envoy served from a fallback endpoint instead of the pick.
+    pub fallbacks_served: u64,
+    /// Endpoint picker: leases ended by their TTL (the gateway never reported the response's end).
+    pub leases_expired: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     /// Per bucket of `ROUTING_BUCKETS`, plus the +Inf bucket (not cumulative).
@@ -63,6 +67,14 @@ impl Metrics {
 
     pub fn rejection(&self, reason: &str) {
         *self.inner.lock().rejections.entry(reason.to_string()).or_insert(0) += 1;
+    }
+
+    pub fn fallback_served(&self) {
+        self.inner.lock().fallbacks_served += 1;
+    }
+
+    pub fn lease_expired(&self) {
+        self.inner.lock().leases_expired += 1;
     }
 
     pub fn retry(&self) {
@@ -173,6 +185,20 @@ pub fn render_metrics(m: &MetricsSnapshot, workers: &[(WorkerRow, Option<Observe
         "Requests whose client went away; their upstream request was cancelled.",
     );
     let _ = writeln!(out, "kvroute_client_disconnects_total {}", m.client_disconnects);
+    header(
+        &mut out,
+        "kvroute_epp_fallbacks_served_total",
+        "counter",
+        "Endpoint picker: requests the gateway served from a fallback endpoint instead of the pick (its load moved there).",
+    );
+    let _ = writeln!(out, "kvroute_epp_fallbacks_served_total {}", m.fallbacks_served);
+    header(
+        &mut out,
+        "kvroute_epp_leases_expired_total",
+        "counter",
+        "Endpoint picker: routed requests whose load was released by the lease TTL, the gateway never having reported their end.",
+    );
+    let _ = writeln!(out, "kvroute_epp_leases_expired_total {}", m.leases_expired);
     header(&mut out, "kvroute_prompt_tokens_total", "counter", "Prompt tokens routed (approximate mode: estimated from bytes).");
     let _ = writeln!(out, "kvroute_prompt_tokens_total {}", m.prompt_tokens);
     header(&mut out, "kvroute_cached_tokens_total", "counter", "Prompt tokens the router expected the chosen worker to have cached.");

@@ -124,12 +124,33 @@ impl PyDataPlane {
 
     /// Binds host:port and starts serving; returns the bound (host, port). OSError when the address
     /// is taken. `/admin` requests go to 127.0.0.1:`admin_port` (the admin API), else get 403.
-    #[pyo3(signature = (host = "127.0.0.1", port = 0, *, admin_port = None))]
-    fn start<'py>(&self, py: Python<'py>, host: &str, port: u16, admin_port: Option<u16>) -> PyResult<Bound<'py, PyTuple>> {
+    /// `epp_port`: also serve the Gateway API Inference Extension endpoint picker (Envoy ext_proc and
+    /// gRPC health) on host:`epp_port` (0: any free port; `epp_address` tells which).
+    #[pyo3(signature = (host = "127.0.0.1", port = 0, *, admin_port = None, epp_port = None))]
+    fn start<'py>(
+        &self,
+        py: Python<'py>,
+        host: &str,
+        port: u16,
+        admin_port: Option<u16>,
+        epp_port: Option<u16>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         let listen = addr(host, port, "host")?;
         let admin = admin_port.map(|p| addr("127.0.0.1", p, "admin_port")).transpose()?;
-        let a = py.detach(|| self.inner.start(listen, admin)).map_err(to_py)?;
+        let a = match epp_port {
+            None => py.detach(|| self.inner.start(listen, admin)).map_err(to_py)?,
+            Some(ep) => {
+                let epp = addr(host, ep, "host")?;
+                py.detach(|| self.inner.start_picker(listen, admin, epp)).map_err(to_py)?.0
+            }
+        };
         PyTuple::new(py, [a.ip().to_string().into_pyobject(py)?.into_any(), a.port().into_pyobject(py)?.into_any()])
+    }
+
+    /// The endpoint picker's bound "host:port" (started with `epp_port`), else None.
+    #[getter]
+    fn epp_address(&self) -> Option<String> {
+        self.inner.epp_addr().map(|a| a.to_string())
     }
 
     /// Stops serving and joins the data plane's thread; requests in flight are dropped and their
@@ -244,6 +265,8 @@ impl PyDataPlane {
         d.set_item("retries", m.retries)?;
         d.set_item("upstream_errors", m.upstream_errors.into_pyobject(py)?)?;
         d.set_item("client_disconnects", m.client_disconnects)?;
+        d.set_item("fallbacks_served", m.fallbacks_served)?;
+        d.set_item("leases_expired", m.leases_expired)?;
         d.set_item("prompt_tokens", m.prompt_tokens)?;
         d.set_item("cached_tokens", m.cached_tokens)?;
         d.set_item("routing_bounds", ROUTING_BUCKETS.to_vec())?;

@@ -40,6 +40,7 @@ use crate::prompt::{approx_prompt, py_truthy, ApproxPrompt, BadRequest};
 
 mod admission;
 mod body;
+mod epp;
 mod lease;
 pub mod pd;
 mod relay;
@@ -136,6 +137,8 @@ struct Worker {
     role: Role,
     /// The URL's host, SGLang's `bootstrap_host` when this worker prefills.
     host: String,
+    /// `host:port` (`[v6]:port`), how the endpoint picker names it to the gateway.
+    endpoint: String,
     /// SGLang PD prefill servers' `--disaggregation-bootstrap-port`.
     bootstrap_port: Option<u16>,
     healthy: AtomicBool,
@@ -211,6 +214,7 @@ pub struct DataPlane {
 #[derive(Default)]
 struct Control {
     local_addr: Option<SocketAddr>,
+    epp_addr: Option<SocketAddr>,
     stop_tx: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -267,14 +271,46 @@ impl DataPlane {
     /// Binds `listen` (errors here, synchronously) and serves on a runtime thread; `/admin`
     /// requests go to `admin` (the owner's admin API, on loopback), or get 403 without one.
     pub fn start(&self, listen: SocketAddr, admin: Option<SocketAddr>) -> Result<SocketAddr, PlaneError> {
+        self.launch(listen, admin, None).map(|(a, _)| a)
+    }
+
+    /// `start`, plus the Gateway API Inference Extension endpoint picker (Envoy's external
+    /// processor and gRPC health, src/plane/epp.rs) on `epp`: the HTTP listener then serves
+    /// `/metrics`, `/health` and the admin API beside it. Returns both bound addresses.
+    pub fn start_picker(
+        &self,
+        listen: SocketAddr,
+        admin: Option<SocketAddr>,
+        epp: SocketAddr,
+    ) -> Result<(SocketAddr, SocketAddr), PlaneError> {
+        if self.shared.workers.read().values().any(|w| w.role != Role::Both) {
+            return Err(PlaneError::Config(
+                "the endpoint picker routes unified workers; PD (prefill/decode) workers need `kvroute serve`".into(),
+            ));
+        }
+        self.launch(listen, admin, Some(epp)).map(|(a, e)| (a, e.expect("the picker was bound")))
+    }
+
+    fn launch(
+        &self,
+        listen: SocketAddr,
+        admin: Option<SocketAddr>,
+        epp: Option<SocketAddr>,
+    ) -> Result<(SocketAddr, Option<SocketAddr>), PlaneError> {
         let mut ctl = self.control.lock();
         if ctl.thread.is_some() {
             return Err(PlaneError::Config("the data plane is already running".into()));
         }
         *self.shared.admin_base.write() = admin.map(|a| format!("http://{a}"));
-        let listener = std::net::TcpListener::bind(listen).map_err(|source| PlaneError::Bind { addr: listen, source })?;
-        listener.set_nonblocking(true).map_err(PlaneError::Runtime)?;
-        let local_addr = listener.local_addr().map_err(PlaneError::Runtime)?;
+        let bind = |addr: SocketAddr| -> Result<(std::net::TcpListener, SocketAddr), PlaneError> {
+            let l = std::net::TcpListener::bind(addr).map_err(|source| PlaneError::Bind { addr, source })?;
+            l.set_nonblocking(true).map_err(PlaneError::Runtime)?;
+            let local = l.local_addr().map_err(PlaneError::Runtime)?;
+            Ok((l, local))
+        };
+        let (listener, local_addr) = bind(listen)?;
+        let picker = epp.map(bind).transpose()?;
+        let epp_addr = picker.as_ref().map(|(_, a)| *a);
         let mut builder = if self.shared.cfg.threads <= 1 {
             tokio::runtime::Builder::new_current_thread()
         } else {
@@ -288,13 +324,18 @@ impl DataPlane {
         let thread = std::thread::Builder::new()
             .name("kvroute-dataplane".into())
             .spawn(move || {
-                rt.block_on(serve(sh, listener, stop_rx));
+                rt.block_on(async move {
+                    if let Some((l, _)) = picker {
+                        tokio::spawn(epp::serve(sh.clone(), l));
+                    }
+                    serve(sh, listener, stop_rx).await
+                });
                 // In-flight requests are dropped here, which releases their load (leases cancel or finish).
                 rt.shutdown_timeout(Duration::from_secs(2));
             })
             .map_err(PlaneError::Runtime)?;
-        *ctl = Control { local_addr: Some(local_addr), stop_tx: Some(stop_tx), thread: Some(thread) };
-        Ok(local_addr)
+        *ctl = Control { local_addr: Some(local_addr), epp_addr, stop_tx: Some(stop_tx), thread: Some(thread) };
+        Ok((local_addr, epp_addr))
     }
 
     /// Stops accepting, drops in-flight requests (their load is released) and joins the runtime
@@ -317,6 +358,11 @@ impl DataPlane {
         self.control.lock().local_addr
     }
 
+    /// The endpoint picker's bound address (`start_picker`).
+    pub fn epp_addr(&self) -> Option<SocketAddr> {
+        self.control.lock().epp_addr
+    }
+
     /// Registers a worker its owner registered with the Router (same id and role);
     /// `bootstrap_port`: an SGLang PD prefill server's.
     pub fn add_worker(&self, id: WorkerId, url: &str, role: Role, bootstrap_port: Option<u16>) -> Result<(), PlaneError> {
@@ -327,6 +373,7 @@ impl DataPlane {
             return Err(PlaneError::WorkerUrl(url.to_string()));
         }
         let host = pd::url_host(base).ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
+        let endpoint = epp::endpoint_of(base).ok_or_else(|| PlaneError::WorkerUrl(url.to_string()))?;
         if bootstrap_port == Some(0) {
             return Err(PlaneError::Config(format!("worker {id}: bootstrap_port must be a TCP port (1..65535), got 0")));
         }
@@ -339,6 +386,7 @@ impl DataPlane {
             url: base.to_string(),
             role,
             host,
+            endpoint,
             bootstrap_port,
             healthy: AtomicBool::new(true),
             down_reason: Mutex::new(None),
