@@ -85,9 +85,7 @@ class Envoy:
                     "--concurrency",
                     "1",
                     "-l",
-                    "warning",
-                    "--log-path",
-                    str(self.log),
+                    os.environ.get("KVROUTE_ENVOY_LOG", "warning"),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -121,6 +119,18 @@ class Envoy:
                 self.proc.kill()
                 self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def picker_healthy(self, healthy: bool = True, timeout: float = 15.0) -> None:
+        """Waits until Envoy's health check sees the picker (un)healthy."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            n = (await self.stats("cluster.epp.membership_healthy")).get("cluster.epp.membership_healthy", 0)
+            if (n > 0) == healthy:
+                return
+            if loop.time() > end:
+                raise AssertionError(f"Envoy did not see the picker {'healthy' if healthy else 'unhealthy'} within {timeout} s")
+            await asyncio.sleep(0.05)
 
     async def stats(self, prefix: str) -> dict[str, int]:
         """Envoy's counters under ``prefix``."""
@@ -164,6 +174,7 @@ class PickerCluster:
         self.envoy = Envoy(self.envoy_pool or [m.url for m in self.mocks], self.gw.epp_address, failure_mode_allow=self.failure_mode_allow)
         try:
             self.url = await self.envoy.start()
+            await self.envoy.picker_healthy()
         except BaseException:
             self.envoy.stop()
             await self._stop_rest()

@@ -104,6 +104,10 @@ class GatewayConfig:
     #: every ``endpoints_interval`` s: workers appear and go as it changes (docs/epp.md).
     endpoints_file: str | None = None
     endpoints_interval: float = 1.0
+    #: The endpoint picker's drain on stop: it reports not ready for this long (a gateway that
+    #: health-checks it stops sending it requests), then until its requests in flight end (bounded
+    #: by 30 s more), before it stops. 0: stop at once.
+    drain_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pd_convention not in PD_CONVENTIONS:
@@ -122,6 +126,8 @@ class GatewayConfig:
             raise ValueError(f"metrics_interval must be >= 0 (0 turns polling off), got {self.metrics_interval}")
         if self.kv_events_port is not None and not 0 < self.kv_events_port < 65536:
             raise ValueError(f"kv_events_port must be a TCP port (1..65535), got {self.kv_events_port}")
+        if not self.drain_seconds >= 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if not self.endpoints_interval > 0:
             raise ValueError(f"endpoints_interval must be > 0 seconds, got {self.endpoints_interval}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -522,7 +528,15 @@ class Gateway:
         return ssl.create_default_context(cafile=self.config.ca_file)
 
     async def stop(self) -> None:
-        """Stops the data plane first (requests in flight are dropped, their load released), then the control plane."""
+        """Stops the data plane first (requests in flight are dropped, their load released), then the control plane.
+        An endpoint picker drains first (``drain_seconds``)."""
+        if self.plane.epp_address is not None and self.plane.running and self.config.drain_seconds > 0:
+            self.plane.set_draining(True)
+            await asyncio.sleep(self.config.drain_seconds)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 30.0
+            while self.plane.in_flight > 0 and loop.time() < end:
+                await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, self.plane.stop)
         for t in [*self._tasks, *self._probes]:
             t.cancel()

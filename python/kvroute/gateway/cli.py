@@ -212,6 +212,15 @@ def _add_common_arguments(p: argparse.ArgumentParser, g: argparse._ArgumentGroup
     s.add_argument(
         "--threads", type=integer(1, 256), default=1, help="runtime threads of the data plane (default 1: lowest latency on small machines)"
     )
+    if epp:
+        s.add_argument(
+            "--drain-seconds",
+            type=number(0),
+            default=3.0,
+            metavar="S",
+            help="on SIGTERM, report not ready for S s (the gateway's health check moves traffic off), then finish the "
+            "requests in flight, then stop (default 3; the bootstrap in deploy/ checks every 1 s)",
+        )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -275,6 +284,7 @@ def build_gateway(a: argparse.Namespace) -> Any:
         kv_events_port=kv_events_port,
         endpoints_file=endpoints_file,
         endpoints_interval=getattr(a, "endpoints_interval", 1.0),
+        drain_seconds=getattr(a, "drain_seconds", 0.0),
     )
     served = _worker_models(a.worker_models, set(a.worker) | {p.url for p in prefill} | set(a.decode))
 

@@ -147,6 +147,12 @@ impl PyDataPlane {
         PyTuple::new(py, [a.ip().to_string().into_pyobject(py)?.into_any(), a.port().into_pyobject(py)?.into_any()])
     }
 
+    /// Draining: the endpoint picker's gRPC readiness reports NOT_SERVING while it still serves the
+    /// requests it has (a gateway health-checking it stops sending new ones); False: ready again.
+    fn set_draining(&self, draining: bool) {
+        self.inner.set_draining(draining);
+    }
+
     /// The endpoint picker's bound "host:port" (started with `epp_port`), else None.
     #[getter]
     fn epp_address(&self) -> Option<String> {

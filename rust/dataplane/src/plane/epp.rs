@@ -68,19 +68,20 @@ pub(super) async fn serve(sh: Arc<Shared>, listener: std::net::TcpListener) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(LIVENESS, ServingStatus::Serving).await;
     reporter.set_service_status("", ServingStatus::Serving).await;
-    // Readiness follows the workers: serving while one healthy worker can take a request.
+    // Readiness follows the workers (serving while one healthy worker can take a request) and
+    // draining (not serving, so the gateway's health check moves it off before the picker stops).
     let sh2 = sh.clone();
     tokio::spawn(async move {
         let mut last = None;
         loop {
-            let ready = sh2.workers.read().values().any(|w| w.healthy.load(Ordering::SeqCst));
+            let ready = !sh2.draining.load(Ordering::SeqCst) && sh2.workers.read().values().any(|w| w.healthy.load(Ordering::SeqCst));
             if last != Some(ready) {
                 let st = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
                 reporter.set_service_status(READINESS, st).await;
                 reporter.set_service_status(EXT_PROC_SERVICE, st).await;
                 last = Some(ready);
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
     let limit = sh.cfg.max_body_bytes.saturating_add(1 << 20);
@@ -218,6 +219,8 @@ impl Stream {
                     return true;
                 }
                 if self.body.len() + b.body.len() > self.sh.cfg.max_body_bytes {
+                    let endpoint = self.headers.as_ref().map_or("other", |h| endpoint_of_request(h).0);
+                    self.sh.metrics.request(endpoint, "4xx");
                     let msg = format!("request body larger than {} bytes", self.sh.cfg.max_body_bytes);
                     return self.immediate(413, &msg, "invalid_request_error", None).await;
                 }
@@ -344,13 +347,7 @@ impl Stream {
         self.decided = true;
         let sh = self.sh.clone();
         let headers = self.headers.take().unwrap_or_default();
-        let path = headers.get("x-pseudo-path").and_then(|v| v.to_str().ok()).unwrap_or("");
-        let path = path.split('?').next().unwrap_or("");
-        let (endpoint, chat) = match path {
-            "/v1/completions" => ("/v1/completions", Some(false)),
-            "/v1/chat/completions" => ("/v1/chat/completions", Some(true)),
-            _ => ("other", None),
-        };
+        let (endpoint, chat) = endpoint_of_request(&headers);
         let key = match (&sh.cfg.client_key_header, headers.get("x-forwarded-for")) {
             (Some(h), _) if headers.get(h.to_ascii_lowercase().as_str()).is_some_and(|v| !v.is_empty()) => client_key(&sh, &headers, ""),
             (_, Some(xff)) => format!("ip:{}", String::from_utf8_lossy(xff.as_bytes()).split(',').next().unwrap_or("").trim()),
@@ -562,6 +559,16 @@ impl Stream {
     async fn send(&self, r: processing_response::Response, meta: Option<Struct>) -> bool {
         let msg = ProcessingResponse { response: Some(r), dynamic_metadata: meta, ..Default::default() };
         self.tx.send(Ok(msg)).await.is_ok()
+    }
+}
+
+/// The metrics label of a request, and whether it is a chat (`None`: not a completion).
+fn endpoint_of_request(headers: &HeaderMap) -> (&'static str, Option<bool>) {
+    let path = headers.get("x-pseudo-path").and_then(|v| v.to_str().ok()).unwrap_or("");
+    match path.split('?').next().unwrap_or("") {
+        "/v1/completions" => ("/v1/completions", Some(false)),
+        "/v1/chat/completions" => ("/v1/chat/completions", Some(true)),
+        _ => ("other", None),
     }
 }
 

@@ -202,6 +202,8 @@ struct Shared {
     models: RwLock<HashMap<WorkerId, Vec<ServedModel>>>,
     /// Predicted prefix hits against the engines' reported `cached_tokens`.
     check: kvroute_core::check::PrefixCheck,
+    /// The endpoint picker reports not ready (its gateway stops sending it requests) while it drains.
+    draining: AtomicBool,
 }
 
 /// The data plane: configure and register workers, then `start` serves on a runtime thread of its
@@ -262,6 +264,7 @@ impl DataPlane {
             client,
             on_unhealthy,
             models: RwLock::new(HashMap::new()),
+            draining: AtomicBool::new(false),
             check: kvroute_core::check::PrefixCheck::new(kvroute_core::check::DEFAULT_WINDOW, kvroute_core::check::DEFAULT_THRESHOLD)
                 .map_err(PlaneError::Config)?,
         });
@@ -356,6 +359,12 @@ impl DataPlane {
     /// The bound address while running (or after a stop).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.control.lock().local_addr
+    }
+
+    /// Draining: the endpoint picker's readiness turns NOT_SERVING (so health-checking gateways
+    /// send it no new request) while it still serves the requests it has; false: ready again.
+    pub fn set_draining(&self, draining: bool) {
+        self.shared.draining.store(draining, Ordering::SeqCst);
     }
 
     /// The endpoint picker's bound address (`start_picker`).
