@@ -8,7 +8,9 @@ workload through the official ``openai`` client, streamed; the engines' own coun
 Routers, in turn, on the same 2 unified engines (caches reset between them): ``kvroute serve`` (default
 policy, exact mode with the model's tokenizer.json + chat template, KV events; told the engines'
 prefix-cache size and prefill speed, calibrated first: ``calibrate_prefill``), ``kvroute:NAME`` for
-``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``kvroute+nopending`` for the
+``kvroute serve --policy NAME`` (``round_robin`` is ``kvroute:round_robin``), ``epp`` for a real Envoy
+(deploy/envoy/envoy.yaml) asking ``kvroute epp`` (the same flags as ``kvroute serve``), ``envoy`` for
+that Envoy's own round robin (no picker), ``kvroute+nopending`` for the
 default with ``--no-pending-prefixes`` (overlap from KV events only), ``sglang-router launch --policy
 cache_aware`` and ``vllm-router --policy cache_aware`` (each skipped when not installed). With several
 ``--seeds`` every router runs the workload of each seed, and the summary gives each router's mean, min
@@ -53,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, Gateway, free_port, http_json, poll, stop_pid
+from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, Gateway, Picker, free_port, http_json, poll, reset_caches, stop_pid
 
 MAX_TOKENS = 16
 
@@ -241,13 +243,7 @@ def counters(engines: Sequence[Engine]) -> list[dict[str, float]]:
     return out
 
 
-def reset(engines: Sequence[Engine]) -> None:
-    """Empties every engine's prefix cache; one request makes it step, so the clear is published.
-    (Its prompt is two blocks long: on this bed a first request of a few tokens has killed the
-    engine's worker with SIGILL, the tests' longer first requests never did.)"""
-    for i, e in enumerate(engines):
-        e.reset_prefix_cache()
-        e.complete({"prompt": " ".join(f"reset{i}x{k}" for k in range(40)), "max_tokens": 1, "temperature": 0})
+reset = reset_caches
 
 
 def drive(url: str, convs: list[Conversation], threads: int, res: Result, shadow: Shadow | None) -> None:
@@ -376,7 +372,7 @@ def run(
     res = Result(name, desc)
     sh = None
     try:
-        if isinstance(front, Gateway):
+        if isinstance(front, Gateway):  # kvroute serve, or Envoy with (or without) kvroute epp
             front.start()
         else:
             poll(front.ready, 60, f"{front.name} ready", interval=0.2)
@@ -444,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--routers",
         default="kvroute,round_robin,sglang,vllm",
         help="comma-separated: kvroute (default policy), kvroute+nopending (the same without pending prefixes), kvroute:POLICY, "
-        "round_robin (= kvroute:round_robin), sglang, vllm",
+        "round_robin (= kvroute:round_robin), epp (Envoy + kvroute epp, deploy/envoy/envoy.yaml), envoy (the same Envoy's own "
+        "round robin), sglang, vllm",
     )
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D run")
     ap.add_argument(
@@ -476,10 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     exact = ["--tokenizer", str(bed.model), "--log-level", "warning", "--prefix-cache-blocks", str(a.num_blocks - 1)]
     told: dict[str, Any] = {"prefix_cache_blocks": a.num_blocks - 1}
     wanted = a.routers.split(",")
-    known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm"}
+    known = {"kvroute", "kvroute+nopending", "round_robin", "sglang", "vllm", "epp", "envoy"}
     bad = [w for w in wanted if w not in known and not w.startswith("kvroute:")]
     if bad:
-        ap.error(f"--routers: unknown router {bad[0]!r}; expected kvroute, kvroute+nopending, kvroute:POLICY, round_robin, sglang or vllm")
+        ap.error(
+            f"--routers: unknown router {bad[0]!r}; expected kvroute, kvroute+nopending, kvroute:POLICY, round_robin, epp, envoy, "
+            "sglang or vllm"
+        )
     results: list[Result] = []
     t_start = time.monotonic()
     desc = f"2 x {a.num_blocks} blk"
@@ -503,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fronts.append(
                     ("kvroute (default, no pending prefixes)", lambda args=args: Gateway(bed, engines, args, name="kvroute-nopend"), None)
                 )
+            elif want == "epp":
+                fronts.append(("Envoy + kvroute epp", lambda: Picker(bed, engines, exact, name="epp"), ""))
+            elif want == "envoy":
+                fronts.append(("Envoy round robin", lambda: Picker(bed, engines, [], name="envoy-rr", picker=False), None))
             elif want == "round_robin" or want.startswith("kvroute:"):
                 pol = want.split(":", 1)[1] if ":" in want else want
                 fronts.append(

@@ -12,14 +12,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 from string import Template
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import kvroute
-from gateway_harness import MockWorker, poll
-from kvroute.gateway.app import Gateway, make_gateway
+if TYPE_CHECKING:
+    from gateway_harness import MockWorker
+    from kvroute.gateway.app import Gateway
 
 __all__ = ["BOOTSTRAP", "Envoy", "PickerCluster", "envoy_binary"]
 
@@ -71,9 +72,10 @@ class Envoy:
         self.url = ""
         self.log = self.dir / "envoy.log"
 
-    async def start(self, timeout: float = 20.0) -> str:
+    def start_sync(self, timeout: float = 20.0) -> str:
+        """Starts Envoy and waits (bounded) until its listener is bound; returns its URL."""
         admin_file = self.dir / "admin"
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [
                     self.binary,
@@ -91,24 +93,41 @@ class Envoy:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        await poll(lambda: admin_file.exists() and admin_file.read_text().strip() != "" or self.proc.poll() is not None, timeout, "Envoy's admin")  # type: ignore[union-attr]
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"Envoy exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
-        self.admin = "http://" + admin_file.read_text().strip()
-        async with aiohttp.ClientSession() as s:
-            loop = asyncio.get_running_loop()
-            end = loop.time() + timeout
-            while True:
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with s.get(self.admin + "/listeners?format=json") as r:
-                        listeners = json.loads(await r.text())["listener_statuses"]
-                        sock = listeners[0]["local_address"]["socket_address"]
-                        if sock.get("port_value"):
-                            self.url = f"http://{sock['address']}:{sock['port_value']}"
-                            return self.url
-                if loop.time() > end or self.proc.poll() is not None:
-                    raise RuntimeError(f"Envoy did not come up: {self.log.read_text()[-2000:]}")
-                await asyncio.sleep(0.02)
+        end = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"Envoy exited ({self.proc.returncode}): {self.log.read_text(errors='replace')[-2000:]}")
+            if admin_file.exists() and admin_file.read_text().strip():
+                self.admin = "http://" + admin_file.read_text().strip()
+                with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+                    with urllib.request.urlopen(self.admin + "/listeners?format=json", timeout=2) as r:
+                        sock = json.loads(r.read())["listener_statuses"][0]["local_address"]["socket_address"]
+                    if sock.get("port_value"):
+                        self.url = f"http://{sock['address']}:{sock['port_value']}"
+                        return self.url
+            if time.monotonic() > end:
+                raise RuntimeError(f"Envoy did not come up within {timeout} s: {self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.02)
+
+    async def start(self, timeout: float = 20.0) -> str:
+        return await asyncio.get_running_loop().run_in_executor(None, self.start_sync, timeout)
+
+    def counter(self, name: str) -> int:
+        """One of Envoy's stats (0 when absent)."""
+        with urllib.request.urlopen(self.admin + "/stats?format=json&filter=^" + name + "$", timeout=5) as r:
+            data = json.loads(r.read())
+        return next((int(st["value"]) for st in data.get("stats", []) if st.get("name") == name and "value" in st), 0)
+
+    def picker_healthy_sync(self, healthy: bool = True, timeout: float = 15.0) -> None:
+        """Waits until Envoy's health check sees the picker (un)healthy."""
+        end = time.monotonic() + timeout
+        while (self.counter("cluster.epp.membership_healthy") > 0) != healthy:
+            if time.monotonic() > end:
+                raise AssertionError(f"Envoy did not see the picker {'healthy' if healthy else 'unhealthy'} within {timeout} s")
+            time.sleep(0.05)
+
+    async def picker_healthy(self, healthy: bool = True, timeout: float = 15.0) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.picker_healthy_sync, healthy, timeout)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -119,24 +138,6 @@ class Envoy:
                 self.proc.kill()
                 self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    async def picker_healthy(self, healthy: bool = True, timeout: float = 15.0) -> None:
-        """Waits until Envoy's health check sees the picker (un)healthy."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while True:
-            n = (await self.stats("cluster.epp.membership_healthy")).get("cluster.epp.membership_healthy", 0)
-            if (n > 0) == healthy:
-                return
-            if loop.time() > end:
-                raise AssertionError(f"Envoy did not see the picker {'healthy' if healthy else 'unhealthy'} within {timeout} s")
-            await asyncio.sleep(0.05)
-
-    async def stats(self, prefix: str) -> dict[str, int]:
-        """Envoy's counters under ``prefix``."""
-        async with aiohttp.ClientSession() as s, s.get(self.admin + "/stats?format=json&filter=" + prefix) as r:
-            data = json.loads(await r.text())
-        return {st["name"]: int(st.get("value", 0)) for st in data.get("stats", []) if "value" in st}
 
 
 class PickerCluster:
@@ -164,6 +165,11 @@ class PickerCluster:
         self.envoy: Envoy
 
     async def __aenter__(self) -> PickerCluster:
+        import aiohttp
+        import kvroute
+        from gateway_harness import MockWorker
+        from kvroute.gateway.app import make_gateway
+
         self.mocks = [MockWorker(f"w{i}", **self.mock_kw) for i in range(self.n)]
         for m in self.mocks:
             await m.start()

@@ -515,6 +515,15 @@ class Engine(_Server):
         return total
 
 
+def reset_caches(engines: Sequence[Engine]) -> None:
+    """Empties every engine's prefix cache; one request makes it step, so the clear is published.
+    (Its prompt is two blocks long: on this bed a first request of a few tokens has killed the
+    engine's worker with SIGILL, longer first requests never did.)"""
+    for i, e in enumerate(engines):
+        e.reset_prefix_cache()
+        e.complete({"prompt": " ".join(f"reset{i}x{k}" for k in range(40)), "max_tokens": 1, "temperature": 0})
+
+
 @dataclass(eq=False)
 class Gateway(_Server):
     """``kvroute serve`` (the bed's kvroute) in front of ``engines``, KV events on, on a free port."""
@@ -549,6 +558,60 @@ class Gateway(_Server):
             alarms = [line for line in run_log.splitlines() if "kvroute self-check" in line]
             if alarms:
                 raise BedError(f"{self.name}: the self-check raised its alarm: {alarms[0]}")
+
+
+@dataclass(eq=False)
+class Picker(Gateway):
+    """``kvroute epp`` (the endpoint picker) for ``engines``, KV events on, and a real Envoy in front
+    of them running deploy/envoy/envoy.yaml (tests/support/envoy_harness.py): ``url`` is Envoy's;
+    the picker's /health, /metrics are on ``picker_url``. ``picker=False``: Envoy alone, its own round
+    robin (the same bootstrap with no picker to ask: its health check fails it open)."""
+
+    name: str = "epp"
+    grpc_port: int = field(default_factory=free_port)
+    picker: bool = True
+    envoy: Any = None
+
+    def argv(self) -> list[str]:
+        out = super().argv()
+        out[out.index("serve")] = "epp"
+        return [*out, "--grpc-port", str(self.grpc_port), "--drain-seconds", "0"]
+
+    @property
+    def picker_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url if self.envoy is not None else self.picker_url
+
+    def metrics(self) -> dict[str, float]:
+        envoy, self.envoy = self.envoy, None  # the picker's own /metrics
+        try:
+            return super().metrics()
+        finally:
+            self.envoy = envoy
+
+    def start(self, timeout: float = 60.0) -> Picker:
+        from envoy_harness import Envoy
+
+        if self.picker:
+            self._launch(self.argv(), "/health", timeout)
+        self.envoy = Envoy([e.url for e in self.engines], f"127.0.0.1:{self.grpc_port}", failure_mode_allow=not self.picker)
+        try:
+            self.envoy.start_sync()
+            self.envoy.picker_healthy_sync(self.picker)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            self.envoy = None
+        if self.picker:
+            super().stop(sig, timeout)
 
 
 @dataclass(eq=False)
