@@ -304,3 +304,31 @@ def test_exact_mode_pd_is_served_by_the_data_plane(tmp_path: Path, convention: s
             assert_no_leak(c)
 
     run(scenario())
+
+
+@pytest.mark.parametrize("setup", ["bpe/chatml", "bpe/llama2"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(system=vocab_text, turns=st.lists(st.tuples(vocab_text, vocab_text), min_size=2, max_size=6))
+def test_long_conversations_reuse_their_prefix_with_the_same_tokens(
+    planes: Any, setup: str, system: str, turns: list[tuple[str, str]]
+) -> None:
+    """A conversation long enough for the prefix store, extended turn by turn: every turn's token ids
+    are the Hugging Face reference's whole encode, while later turns reuse the earlier turns' prefix."""
+    dp, ep, _ = planes[setup]
+    before = dp.prefix_reuse
+    assert before is not None, "this tokenizer should have a prefix store"
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "A long shared system prompt, past the store's minimum. " * 45 + system}]
+    for question, answer in turns:
+        msgs.append({"role": "user", "content": question})
+        check(dp, ep, {"messages": msgs}, chat=True)
+        msgs.append({"role": "assistant", "content": answer})
+    after = dp.prefix_reuse
+    assert after is not None and after["hits"] + after["misses"] > before["hits"] + before["misses"]
+    if setup == "bpe/chatml":  # each turn starts with the last one's text up to its generation prompt
+        assert after["hits"] >= before["hits"] + len(turns) - 1
+
+
+def test_a_tokenizer_without_split_tokens_encodes_whole(planes: Any) -> None:
+    dp, _, path = planes["word-level/simple"]
+    assert dp.prefix_reuse is None
+    assert "splits at" in str(ExactPrompter(path, BS, SEED)._rust.prefix_reuse_unavailable)

@@ -21,6 +21,9 @@ use crate::prompt::{
     request_root, valid_messages, ApproxPrompt, BadRequest, CompletionPrompt,
 };
 
+mod reuse;
+pub use reuse::{PrefixStore, ReuseStats, DEFAULT_CAPACITY_TOKENS};
+
 /// Texts longer than this are tokenized on tokio's blocking pool, so one long prompt does not stall
 /// the (by default single-threaded) data plane; shorter ones are cheaper to encode in place than to hand over.
 pub const INLINE_ENCODE_BYTES: usize = 4096;
@@ -56,6 +59,8 @@ pub struct ExactPrompter {
     eos_token: String,
     block_size: usize,
     seed: u64,
+    /// The encoded prefixes of earlier prompts (src/exact/reuse.rs), or why this tokenizer has none.
+    reuse: Result<PrefixStore, String>,
 }
 
 impl ExactPrompter {
@@ -88,7 +93,9 @@ impl ExactPrompter {
             },
             Err(reason) => return Err(ExactError::Config { path: cfg_file, reason }),
         };
+        let reuse = PrefixStore::new(&tokenizer, DEFAULT_CAPACITY_TOKENS);
         Ok(ExactPrompter {
+            reuse,
             tokenizer,
             template,
             bos_token: special(&config, "bos_token"),
@@ -106,6 +113,16 @@ impl ExactPrompter {
     /// The block hashes' seed.
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// The prefix store's counters (`None`: this tokenizer has none, see `prefix_reuse_unavailable`).
+    pub fn prefix_reuse(&self) -> Option<ReuseStats> {
+        self.reuse.as_ref().ok().map(PrefixStore::stats)
+    }
+
+    /// Why this tokenizer's prompts are always encoded whole, when they are.
+    pub fn prefix_reuse_unavailable(&self) -> Option<&str> {
+        self.reuse.as_ref().err().map(String::as_str)
     }
 
     /// Why chat requests route on approximate hashes, when they do (the template does not compile in minijinja).
@@ -271,7 +288,15 @@ impl ExactPrompter {
         }))
     }
 
+    /// `text`'s token ids, reusing a stored prefix's when the post-processor adds nothing (chat).
     fn encode(&self, text: &str, add_special_tokens: bool) -> Option<Vec<u32>> {
+        match &self.reuse {
+            Ok(store) if !add_special_tokens => store.encode(text, |t| self.encode_whole(t, false)),
+            _ => self.encode_whole(text, add_special_tokens),
+        }
+    }
+
+    fn encode_whole(&self, text: &str, add_special_tokens: bool) -> Option<Vec<u32>> {
         let enc = catch_unwind(AssertUnwindSafe(|| self.tokenizer.encode_fast(text, add_special_tokens))).ok()?.ok()?;
         Some(enc.get_ids().to_vec())
     }

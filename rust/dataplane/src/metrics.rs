@@ -114,6 +114,20 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// Exact mode's prefix store (src/exact/reuse.rs).
+pub fn render_reuse(out: &mut String, r: &crate::exact::ReuseStats) {
+    header(
+        out,
+        "kvroute_prefix_reuse_total",
+        "counter",
+        "Exact mode: long chat prompts whose tokenization reused an earlier prompt's encoded prefix (hit) or found none (miss).",
+    );
+    let _ = writeln!(out, "kvroute_prefix_reuse_total{{outcome=\"hit\"}} {}", r.hits);
+    let _ = writeln!(out, "kvroute_prefix_reuse_total{{outcome=\"miss\"}} {}", r.misses);
+    header(out, "kvroute_prefix_reuse_tokens", "gauge", "Exact mode: token ids the prefix store holds.");
+    let _ = writeln!(out, "kvroute_prefix_reuse_tokens {}", r.tokens);
+}
+
 /// The self-check's series (docs/events.md, "The self-check").
 pub fn render_check(out: &mut String, c: &kvroute_core::check::CheckSnapshot) {
     use kvroute_core::check::Outcome;

@@ -337,6 +337,13 @@ impl PyDataPlane {
         self.inner.exact().and_then(|e| e.template_unsupported()).map(str::to_string)
     }
 
+    /// Exact mode: the prefix store's counters (hits, misses, entries, tokens), or None (approximate
+    /// mode, or a tokenizer with no store).
+    #[getter]
+    fn prefix_reuse<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.inner.exact().and_then(|e| e.prefix_reuse()).map(|s| reuse_dict(py, s)).transpose()
+    }
+
     /// The prompt the plane routes a raw request body on: (sequence hashes, num_tokens,
     /// output_tokens); ValueError with the client's 400 message for an invalid body.
     fn prompt<'py>(&self, py: Python<'py>, body: &[u8], chat: bool) -> PyResult<Bound<'py, PyTuple>> {
@@ -410,4 +417,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(approx_prompt, m)?)?;
     Ok(())
+}
+
+/// A prefix store's counters as a dict.
+pub(crate) fn reuse_dict(py: Python<'_>, s: kvroute_dataplane::exact::ReuseStats) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("hits", s.hits)?;
+    d.set_item("misses", s.misses)?;
+    d.set_item("entries", s.entries)?;
+    d.set_item("tokens", s.tokens)?;
+    Ok(d)
 }

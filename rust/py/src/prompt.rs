@@ -11,7 +11,7 @@ use kvroute_dataplane::{ApproxCache, ExactError, ExactPrompter};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::{PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::convert::{check_block_size, extract_hashes, extract_u64};
 use crate::dataplane::{bad_request, parse};
@@ -76,6 +76,19 @@ impl PyExactPrompter {
     #[getter]
     fn template_unsupported(&self) -> Option<String> {
         self.inner.template_unsupported().map(str::to_string)
+    }
+
+    /// The prefix store's counters (hits, misses, entries, tokens: prompts' encoded prefixes
+    /// reused, rust/dataplane/src/exact/reuse.rs), or None when this tokenizer has none.
+    #[getter]
+    fn prefix_reuse<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.inner.prefix_reuse().map(|s| crate::dataplane::reuse_dict(py, s)).transpose()
+    }
+
+    /// Why this tokenizer's prompts are always encoded whole (no prefix store), else None.
+    #[getter]
+    fn prefix_reuse_unavailable(&self) -> Option<String> {
+        self.inner.prefix_reuse_unavailable().map(str::to_string)
     }
 
     #[getter]

@@ -394,6 +394,9 @@ impl Shared {
     pub(super) fn metrics_text(&self) -> String {
         let mut out = render_metrics(&self.metrics.snapshot(), &self.rows());
         crate::metrics::render_check(&mut out, &self.check.snapshot());
+        if let Some(r) = self.exact.as_ref().and_then(|e| e.prefix_reuse()) {
+            crate::metrics::render_reuse(&mut out, &r);
+        }
         out
     }
 
