@@ -40,11 +40,15 @@ pub struct PrefixStore {
     inner: Mutex<Lru>,
 }
 
+/// A stored prefix: its text's 128-bit hash and length.
+type Key = (u128, usize);
+
 #[derive(Default)]
 struct Lru {
-    map: HashMap<(u128, usize), (Arc<[u32]>, u64)>,
+    /// Key -> (the prefix's token ids, its last use).
+    map: HashMap<Key, (Arc<[u32]>, u64)>,
     /// (key, stamp) in use order; entries whose stamp moved on are stale.
-    order: VecDeque<((u128, usize), u64)>,
+    order: VecDeque<(Key, u64)>,
     tokens: usize,
     capacity: usize,
     clock: u64,
@@ -122,7 +126,7 @@ impl PrefixStore {
         // Each boundary's key, from one pass over the text.
         let mut h = Xxh3::new();
         let mut from = 0;
-        let keys: Vec<(u128, usize)> = bounds
+        let keys: Vec<Key> = bounds
             .iter()
             .map(|&b| {
                 h.update(&text.as_bytes()[from..b]);
@@ -145,7 +149,7 @@ impl PrefixStore {
         Some(ids)
     }
 
-    fn get(&self, key: &(u128, usize)) -> Option<Arc<[u32]>> {
+    fn get(&self, key: &Key) -> Option<Arc<[u32]>> {
         let mut g = self.inner.lock();
         g.clock += 1;
         let now = g.clock;
@@ -157,7 +161,7 @@ impl PrefixStore {
         Some(ids)
     }
 
-    fn put(&self, key: (u128, usize), ids: &[u32]) {
+    fn put(&self, key: Key, ids: &[u32]) {
         let mut g = self.inner.lock();
         if ids.len() > g.capacity || g.map.contains_key(&key) {
             return;
