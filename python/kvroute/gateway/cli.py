@@ -145,9 +145,7 @@ def _add_common_arguments(p: argparse.ArgumentParser, g: argparse._ArgumentGroup
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     if epp:
-        s.add_argument(
-            "--grpc-port", type=port, default=9002, help="the picker's gRPC port: Envoy ext_proc and gRPC health (default 9002)"
-        )
+        s.add_argument("--grpc-port", type=port, default=9002, help="the picker's gRPC port: Envoy ext_proc and gRPC health (default 9002)")
         s.add_argument("--port", type=port, default=9090, help="HTTP port of /metrics, /health and /admin (default 9090; 0: any)")
     else:
         s.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")

@@ -12,8 +12,9 @@
 //! that treats the first piece of a text apart, say) gets no store, and every encode is whole.
 //!
 //! Only encodes without the post-processor's special tokens (chat prompts: their template writes them)
-//! use the store. An entry is keyed by its text's length and 128-bit hash; the store holds at most
-//! `capacity` tokens and forgets the least recently used entries first.
+//! use the store. An entry is keyed by its text's length and 128-bit hash; the longer prefix of a
+//! conversation's next turn replaces the entry it extends (one entry per conversation); the store
+//! holds at most `capacity` tokens and forgets the least recently used entries first.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -134,16 +135,17 @@ impl PrefixStore {
                 (h.digest128(), b)
             })
             .collect();
-        let hit = keys.iter().rev().find_map(|k| self.get(k).map(|ids| (k.1, ids)));
+        let hit = keys.iter().rev().find_map(|k| self.get(k).map(|ids| (*k, ids)));
         self.count(hit.is_some());
-        let (start, mut ids) = match hit {
-            Some((b, ids)) => (b, ids.to_vec()),
+        let (start, mut ids) = match &hit {
+            Some((k, ids)) => (k.1, ids.to_vec()),
             None => (0, Vec::new()),
         };
         if last > start {
             ids.extend(encode(&text[start..last])?);
-            // The prefix up to the last split: what the conversation's next turn starts with.
-            self.put(keys[keys.len() - 1], &ids);
+            // The prefix up to the last split: what the conversation's next turn starts with. It
+            // replaces the shorter prefix it extends (one entry per conversation, not per turn).
+            self.put(keys[keys.len() - 1], &ids, hit.map(|(k, _)| k));
         }
         ids.extend(encode(&text[last..])?);
         Some(ids)
@@ -161,8 +163,11 @@ impl PrefixStore {
         Some(ids)
     }
 
-    fn put(&self, key: Key, ids: &[u32]) {
+    fn put(&self, key: Key, ids: &[u32], replaces: Option<Key>) {
         let mut g = self.inner.lock();
+        if let Some((old, _)) = replaces.and_then(|k| g.map.remove(&k)) {
+            g.tokens -= old.len();
+        }
         if ids.len() > g.capacity || g.map.contains_key(&key) {
             return;
         }
@@ -217,18 +222,22 @@ mod tests {
             splits: vec![true],
             inner: Mutex::new(Lru { capacity: 10, ..Lru::default() }),
         };
-        store.put((1, 1), &[1, 2, 3, 4]);
-        store.put((2, 2), &[5, 6, 7, 8]);
+        store.put((1, 1), &[1, 2, 3, 4], None);
+        store.put((2, 2), &[5, 6, 7, 8], None);
         assert!(store.get(&(1, 1)).is_some()); // 1 is now the most recent
-        store.put((3, 3), &[9, 10, 11]); // 11 tokens > 10: the least recent (2) goes
+        store.put((3, 3), &[9, 10, 11], None); // 11 tokens > 10: the least recent (2) goes
         assert!(store.get(&(2, 2)).is_none());
         assert_eq!(store.get(&(1, 1)).as_deref(), Some(&[1, 2, 3, 4][..]));
         assert_eq!(store.stats().tokens, 7);
-        store.put((4, 4), &[0; 11]); // larger than the whole store: not kept
+        store.put((4, 4), &[0; 11], None); // larger than the whole store: not kept
         assert_eq!(store.stats().entries, 2);
         for _ in 0..1000 {
             store.get(&(1, 1));
         }
         assert!(store.inner.lock().order.len() <= 2 * 2 + 64 + 1);
+        // An extension replaces the prefix it extends.
+        store.put((5, 5), &[1, 2, 3, 4, 5], Some((1, 1)));
+        assert!(store.get(&(1, 1)).is_none());
+        assert_eq!(store.stats().tokens, 3 + 5);
     }
 }
