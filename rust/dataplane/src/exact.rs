@@ -93,7 +93,12 @@ impl ExactPrompter {
             },
             Err(reason) => return Err(ExactError::Config { path: cfg_file, reason }),
         };
-        let reuse = PrefixStore::new(&tokenizer, DEFAULT_CAPACITY_TOKENS);
+        // KVROUTE_PREFIX_REUSE=off: every prompt encoded whole (a benchmark's baseline, or a tokenizer
+        // that would pass the probes and still split differently).
+        let reuse = match std::env::var("KVROUTE_PREFIX_REUSE").as_deref() {
+            Ok("off") | Ok("0") => Err("turned off (KVROUTE_PREFIX_REUSE=off)".to_string()),
+            _ => PrefixStore::new(&tokenizer, DEFAULT_CAPACITY_TOKENS),
+        };
         Ok(ExactPrompter {
             reuse,
             tokenizer,
