@@ -284,6 +284,49 @@ def install_time(res: dict[str, Any]) -> str:
     )
 
 
+def _gateway_table(res: dict[str, Any]) -> list[str]:
+    out = ["| target | p50 ms | p99 ms | CPU per request (us) | failed |", "|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        cpu = "" if r["cpu_per_request_us"] is None else f"{r['cpu_per_request_us']:.0f}"
+        out.append(f"| {r['target']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {cpu} | {r['failed']} |")
+    return out
+
+
+def _gateway_footer(res: dict[str, Any]) -> str:
+    return f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}."
+
+
+def gateway_epp(res: dict[str, Any]) -> str:
+    """docs/epp.md, docs/benchmarks.md: Envoy alone against Envoy + kvroute epp, same engines, same run."""
+    v = res["verdicts"]["epp_added"]
+    out = _gateway_table(res)
+    out += [
+        "",
+        f"The picker adds **{v['p50_us']:.0f} us** at p50 and {v['p99_us']:.0f} us at p99 over Envoy alone (target: p50 <= 1 ms: "
+        f"{'met' if v['met'] else 'missed'}); its own CPU is {v['epp_cpu_us']:.0f} us per request. "
+        "(CPU per request: envoy is Envoy's process, envoy+epp the picker's; direct is the client straight to the engines.)",
+        "",
+        _gateway_footer(res),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def gateway_exact(res: dict[str, Any]) -> str:
+    """docs/benchmarks.md: exact mode's CPU per request against approximate mode and against itself
+    without the prefix store, same run."""
+    v = res["verdicts"]["exact_cpu"]
+    out = _gateway_table(res)
+    out += [
+        "",
+        f"Exact mode costs **{v['exact_us']:.0f} us** of gateway CPU per request, {v['ratio']:.2f}x approximate mode's "
+        f"{v['approx_us']:.0f} us (target: <= 2x: {'met' if v['met'] else 'missed'}); without the prefix store (kvroute-whole) "
+        f"{v['whole_us']:.0f} us, {v['whole_us'] / v['exact_us']:.2f}x more.",
+        "",
+        _gateway_footer(res),
+    ]
+    return "\n".join(out) + "\n"
+
+
 #: Block name -> (the results file's "benchmark", the renderer).
 def ab_commit(res: dict[str, Any]) -> str:
     names = {
@@ -314,6 +357,8 @@ RENDERERS = {
     "index_race": ("index_race", index_race),
     "index_race_brief": ("index_race", index_race_brief),
     "install_time": ("install_time", install_time),
+    "gateway_epp": ("gateway_epp", gateway_epp),
+    "gateway_exact": ("gateway_exact", gateway_exact),
 }
 
 
