@@ -115,6 +115,17 @@ class ExactPrompter(Prompter):
     def template_unsupported(self) -> str | None:
         return self._rust.template_unsupported
 
+    @property
+    def prefix_reuse(self) -> dict[str, int] | None:
+        """The prefix store's counters (``hits``, ``misses``, ``entries``, ``tokens``): long chat prompts
+        encode only what follows the longest earlier prefix it holds (docs/gateway.md, "Prefix
+        reuse"). None when this tokenizer has no store (``prefix_reuse_unavailable`` says why)."""
+        return self._rust.prefix_reuse
+
+    @property
+    def prefix_reuse_unavailable(self) -> str | None:
+        return self._rust.prefix_reuse_unavailable
+
     def prompt(self, body: dict[str, Any], chat: bool, *, lora: str | None = None) -> Prompt:
         try:
             hashes, num_tokens, output_tokens, exact = self._rust.prompt(_raw(body), chat, lora=lora)

@@ -331,4 +331,5 @@ def test_long_conversations_reuse_their_prefix_with_the_same_tokens(
 def test_a_tokenizer_without_split_tokens_encodes_whole(planes: Any) -> None:
     dp, _, path = planes["word-level/simple"]
     assert dp.prefix_reuse is None
-    assert "splits at" in str(ExactPrompter(path, BS, SEED)._rust.prefix_reuse_unavailable)
+    ep = ExactPrompter(path, BS, SEED)
+    assert ep.prefix_reuse is None and "splits at" in str(ep.prefix_reuse_unavailable)
