@@ -293,7 +293,9 @@ def _gateway_table(res: dict[str, Any]) -> list[str]:
 
 
 def _gateway_footer(res: dict[str, Any]) -> str:
-    return f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}."
+    return (
+        f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}."
+    )
 
 
 def gateway_epp(res: dict[str, Any]) -> str:

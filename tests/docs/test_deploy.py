@@ -47,7 +47,11 @@ def test_the_pool_names_the_picker_and_the_ports_agree() -> None:
     assert a.endpoints_file.startswith(sidecar["volumeMounts"][0]["mountPath"] + "/")
     gw = docs("gateway.yaml")
     backend = gw["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]
-    assert (backend["group"], backend["kind"], backend["name"]) == ("inference.networking.k8s.io", "InferencePool", pool["metadata"]["name"])
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
 
 
 @pytest.mark.skipif(shutil.which("awk") is None, reason="needs awk")
