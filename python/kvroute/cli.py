@@ -21,7 +21,8 @@ __all__ = ["main"]
 
 #: The seed chapter's table: its four policies without rejection, then "ttft" with rejection.
 SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
-TRACE_DEFAULT = os.path.join("..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+# Where a user gets one: Mooncake's published traces (github.com/kvcache-ai/Mooncake, FAST25-release/traces/).
+TRACE_DEFAULT = "conversation_trace.jsonl"
 
 
 def _rates(values: Sequence[list[float]] | None) -> list[float] | None:
@@ -70,7 +71,7 @@ def _add_simulate(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
     )
-    p.add_argument("--trace", metavar="PATH", type=existing_file, help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT})")
+    p.add_argument("--trace", metavar="PATH", type=existing_file, help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT} from Mooncake's FAST25-release/traces/)")
     p.add_argument("--shape", default="chat", choices=_shapes(), help="synthetic trace shape (scenario synthetic; default chat)")
     p.add_argument("--requests", type=integer(1), default=3000, help="synthetic trace length (default 3000)")
     p.add_argument(
