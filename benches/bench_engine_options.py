@@ -1,5 +1,5 @@
-"""The seed 003 chapter's prefill batching against the FIFO engines, on the seed chapter's chat
-workload (docs/simulator.md, "The seed 003 chapter's prefill batching").
+"""The seed documents' prefill batching against the FIFO engines, on the seed's chat
+workload (docs/simulator.md, "The seed engine model").
 
     python benches/bench_engine_options.py
 """

@@ -1,6 +1,6 @@
-"""The seed 003 chapter's PD options in the simulator, one row each: compressed (fp8) transfer,
-incremental transfer, both, the chapter's decode score and its decode admission, against the default PD cluster
-(docs/simulator.md, "The seed 003 chapter's PD options").
+"""The seed documents' PD options in the simulator, one row each: compressed (fp8) transfer,
+incremental transfer, both, the seed's decode score and its decode admission, against the default PD cluster
+(docs/simulator.md, "The seed engine model").
 
     python benches/bench_pd_options.py
 """

@@ -1,4 +1,4 @@
-"""Simulator speed, against the seed chapter's pure-Python script in the same run.
+"""Simulator speed, against the seed's pure-Python script in the same run.
 
 - The seed's whole table (40 and 70 req/s, five rows each, workloads included) through kvroute
   (Rust workload generator, Rust LRU engines, kvroute.Router) vs ``seed_reference.table()``:

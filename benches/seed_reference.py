@@ -1,4 +1,4 @@
-"""The seed chapter's routing simulation (seeds/000), kept verbatim-equivalent in pure Python.
+"""The seed's routing simulation (seeds/000), kept verbatim-equivalent in pure Python.
 It is the reference kvroute's simulator must reproduce, and the baseline of the speed benchmark.
 
 Only identifiers and output labels are translated (随机 random, 最少排队 least_load, 只看缓存

@@ -1,4 +1,4 @@
-"""The ``kvroute`` command: ``simulate`` (the seed chapter's routing experiment, trace replays,
+"""The ``kvroute`` command: ``simulate`` (the seed's routing experiment, trace replays,
 rate sweeps) and ``plan`` (xPyD sizing, static and over time windows).
 """
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-#: The seed chapter's table: its four policies without rejection, then "ttft" with rejection.
+#: The seed's table: its four policies without rejection, then "ttft" with rejection.
 SEED_ROWS = (("random", False), ("least_load", False), ("cache_only", False), ("ttft", False), ("ttft", True))
 # Where a user gets one: Mooncake's published traces (github.com/kvcache-ai/Mooncake, FAST25-release/traces/).
 TRACE_DEFAULT = "conversation_trace.jsonl"
@@ -58,20 +58,25 @@ def _add_simulate(sub: argparse._SubParsersAction[Any]) -> None:
         help="simulate routing policies on a prefill cluster",
         description="Replays a workload on simulated prefill instances (LRU prefix caches, FIFO queues, KV events) "
         "with every request routed by kvroute.Router, and prints hit rate, TTFT p50/p99, SLO attainment. "
-        "With no arguments: the seed chapter's experiment (40 and 70 req/s) plus the default policy's row.",
+        "With no arguments: the seed's experiment (40 and 70 req/s) plus the default policy's row.",
     )
     p.add_argument(
         "--engine",
         choices=("seed", "aisim"),
         default="seed",
-        help="engine model: seed (the seed chapter's prefill-only FIFO + LRU model, exact for its tables; the default) or "
+        help="engine model: seed (the seed's prefill-only FIFO + LRU model, exact for its tables; the default) or "
         "aisim (NVIDIA AISimulate's engines: continuous batching, chunked prefill, decode, one KV pool, preemption; "
         "recommended for anything else, needs a wheel built with the aisim feature; see docs/simulator.md)",
     )
     p.add_argument(
         "--scenario", choices=("seed-chat", "trace", "synthetic"), default=None, help="workload (default: seed-chat, or trace with --trace)"
     )
-    p.add_argument("--trace", metavar="PATH", type=existing_file, help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT} from Mooncake's FAST25-release/traces/)")
+    p.add_argument(
+        "--trace",
+        metavar="PATH",
+        type=existing_file,
+        help=f"Mooncake-format JSONL trace (e.g. {TRACE_DEFAULT} from Mooncake's FAST25-release/traces/)",
+    )
     p.add_argument("--shape", default="chat", choices=_shapes(), help="synthetic trace shape (scenario synthetic; default chat)")
     p.add_argument("--requests", type=integer(1), default=3000, help="synthetic trace length (default 3000)")
     p.add_argument(
@@ -85,7 +90,7 @@ def _add_simulate(sub: argparse._SubParsersAction[Any]) -> None:
         "--speedup", action="append", type=rate_list, metavar="X", help="trace arrival speed-up; repeatable or a list (trace; default 1)"
     )
     p.add_argument("--duration", type=number(0, above=True), default=120.0, help="seconds of seed-chat arrivals (default 120)")
-    p.add_argument("--seed", type=integer(0), default=0, help="workload seed (default 0, the seed chapter's)")
+    p.add_argument("--seed", type=integer(0), default=0, help="workload seed (default 0, the seed's)")
     p.add_argument("--instances", type=integer(1), help="prefill instances (default 8)")
     p.add_argument(
         "--cache-blocks", type=integer(1), help="LRU cache per instance in blocks (default 3000 of 64 tokens; 1000 of 512 for traces)"
@@ -114,13 +119,13 @@ def _add_simulate(sub: argparse._SubParsersAction[Any]) -> None:
         "--prefill-batch-tokens",
         type=integer(0),
         default=0,
-        help="the seed 003 chapter's prefill batching: token budget per batch (the chapter: 8192; default 0 = FIFO)",
+        help="the seed documents' prefill batching: token budget per batch (the seed: 8192; default 0 = FIFO)",
     )
     p.add_argument("--prefill-batch-wait", type=number(0), default=0.01, help="seconds an idle instance waits for a batch (default 0.01)")
     p.add_argument(
         "--decode-admission",
         action="store_true",
-        help="PD mode: the seed 003 chapter's decode admission (at most 256 running, estimated ITL < 1.2 x target)",
+        help="PD mode: the seed documents' decode admission (at most 256 running, estimated ITL < 1.2 x target)",
     )
     p.add_argument("--event-lag", type=number(0), default=0.0, help="seconds before KV events reach the router's index (default 0)")
     p.add_argument("--policy", action="append", metavar="NAME", help="routing policy; repeatable; 'all' for every policy")
@@ -426,7 +431,7 @@ def _add_plan(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "plan",
         help="xPyD sizing: static per-phase needs, or a dynamic schedule over time windows",
-        description="With no arguments: the seed chapter's table (needs per phase vs a fixed 12P12D). "
+        description="With no arguments: the seed's table (needs per phase vs a fixed 12P12D). "
         "With --dynamic, --phases or --trace: a planner that resizes P/D per window with warm-up, draining and hysteresis.",
     )
     p.add_argument("--phases", metavar="FILE", type=existing_file, help="phases as JSON list or CSV: name, rate, isl, osl, hit[, duration]")

@@ -1,4 +1,4 @@
-"""xPyD sizing: how many prefill (P) and decode (D) instances a load needs, the seed chapter's
+"""xPyD sizing: how many prefill (P) and decode (D) instances a load needs, the seed's
 static comparison against a fixed split, and a dynamic planner over time windows.
 
 The capacity model is the seed's: a prefill instance prefills ``p_cap`` uncached prompt tokens
@@ -58,7 +58,7 @@ class Phase:
             raise ValueError(f"phase {self.name!r}: hit must be a fraction in [0, 1], got {self.hit!r}")
 
 
-#: The seed chapter's three phases: (name, req/s, mean ISL, mean OSL, prefix-cache hit rate).
+#: The seed's three phases: (name, req/s, mean ISL, mean OSL, prefix-cache hit rate).
 SEED_PHASES = (
     Phase("day: chat", 100, 2000, 500, 0.6),
     Phase("evening: long-document summaries", 30, 16000, 300, 0.2),

@@ -1,4 +1,4 @@
-"""The Router reproduces the seed chapter's routing exactly (tie_break="lowest").
+"""The Router reproduces the seed's routing exactly (tie_break="lowest").
 
 Runs the seed's own `workload()` and `simulate()` (taken from ../shared/seeds/000_*.txt) and
 drives kvroute.Router with a minimal event-emitting cluster: each simulated instance keeps the
@@ -27,7 +27,7 @@ def _find_seed() -> Path | None:
 
 
 SEED = _find_seed()
-pytestmark = pytest.mark.skipif(SEED is None, reason="../shared/seeds (the seed chapter) is not present")
+pytestmark = pytest.mark.skipif(SEED is None, reason="../shared/seeds (the seed) is not present")
 
 
 @pytest.fixture(scope="module")

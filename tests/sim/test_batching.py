@@ -1,4 +1,4 @@
-"""The seed 003 chapter's prefill batching in the simulator (ClusterConfig.prefill_batch_tokens)."""
+"""The seed documents' prefill batching in the simulator (ClusterConfig.prefill_batch_tokens)."""
 
 from __future__ import annotations
 

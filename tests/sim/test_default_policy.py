@@ -1,4 +1,4 @@
-"""The default policy's acceptance figure on the seed chapter's workload: with early rejection at
+"""The default policy's acceptance figure on the seed's workload: with early rejection at
 70 req/s (seed 0, 120 s, the seed's cluster), at least 99.0% SLO attainment with at most 1% rejected."""
 
 from __future__ import annotations

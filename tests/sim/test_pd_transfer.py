@@ -1,6 +1,6 @@
-"""The seed 003 chapter's PD options in the simulator: compressed KV transfer (fp8 halves the bytes),
+"""The seed documents' PD options in the simulator: compressed KV transfer (fp8 halves the bytes),
 incremental transfer (decode instances cache prefixes; only the blocks they lack move), and the
-chapter's decode score as the Router's decode choice."""
+seed's decode score as the Router's decode choice."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_decode_choice_is_a_router_option_and_bad_values_are_errors():
         Router(kv_compression=0.0)
     with pytest.raises(ValueError, match="kv_compression"):
         ClusterConfig(kv_compression=2.0)
-    # On a pool of equal decode instances the chapter's score and lowest TPOT both take the
+    # On a pool of equal decode instances the seed's score and lowest TPOT both take the
     # smallest batch: the same runs.
     w = _workload()
     a = simulate(w, "slack", reject=True, cluster=BASE, progress=False)

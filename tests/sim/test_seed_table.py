@@ -1,7 +1,7 @@
-"""Acceptance: `kvroute.sim` reproduces every row of the seed chapter's routing table through
+"""Acceptance: `kvroute.sim` reproduces every row of the seed's routing table through
 kvroute.Router (our generator, Rust LRU engines publishing KV events, the Router deciding).
 
-The expected strings are the seed chapter's printed output (seeds/000), translated labels only.
+The expected strings are the seed's printed output (seeds/000), translated labels only.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from kvroute.sim import seed_chat
 
 
 def python_seed_workload(rate, seconds, seed=0, systems=20, system_tokens=2048, conversations=400, turn_tokens=300):
-    """The seed chapter's ``workload()``, verbatim apart from the shape parameters."""
+    """The seed's ``workload()``, verbatim apart from the shape parameters."""
     rng = random.Random(seed)
     sys_prompts = [[rng.randrange(10**6) for _ in range(system_tokens)] for _ in range(systems)]
     convs = [list(rng.choice(sys_prompts)) for _ in range(conversations)]
@@ -36,7 +36,7 @@ def test_requests_are_the_seeds_own(rate, seconds, seed):
 
 
 def test_seed_request_counts():
-    # The seed chapter prints these counts for its 120 s runs.
+    # The seed prints these counts for its 120 s runs.
     assert len(seed_chat(40, 120)) == 4814
     assert len(seed_chat(70, 120)) == 8456
 

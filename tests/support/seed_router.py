@@ -1,4 +1,4 @@
-"""The seed chapter's four routing rules and early rejection in plain Python over a `KvIndex`,
+"""The seed's four routing rules and early rejection in plain Python over a `KvIndex`,
 with the Router's calling convention: a cross-check for `kvroute.Router` and the simulator.
 """
 

@@ -1,4 +1,4 @@
-"""kvroute's cluster simulator: workloads (the seed chapter's chat, Mooncake-format traces),
+"""kvroute's cluster simulator: workloads (the seed's chat, Mooncake-format traces),
 simulated prefill engines publishing KV events, the Router driving them, and the seed's metrics.
 """
 

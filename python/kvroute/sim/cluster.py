@@ -24,7 +24,7 @@ __all__ = ["SEED_CLUSTER", "ClusterConfig", "make_router", "simulate"]
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The simulated cluster. Defaults are the seed chapter's: 8 prefill instances, each with an
+    """The simulated cluster. Defaults are the seed's: 8 prefill instances, each with an
     LRU cache of 3000 blocks and a FIFO queue at 20000 tokens/s, a TTFT SLO of 2 s."""
 
     instances: int = 8
@@ -48,18 +48,18 @@ class ClusterConfig:
     kv_bytes_per_token: float = 327_680.0
     link_bytes_per_s: float = 25e9
     link_latency_s: float = 0.001
-    #: Bytes sent per KV byte (1: as stored; 0.5: fp8 from 16-bit KV, the seed 003 chapter's
+    #: Bytes sent per KV byte (1: as stored; 0.5: fp8 from 16-bit KV, the seed documents'
     #: compressed transfer). The Router is told the same.
     kv_compression: float = 1.0
-    #: Incremental transfer (the seed 003 chapter's): each decode instance keeps an LRU prefix cache
+    #: Incremental transfer (the seed documents'): each decode instance keeps an LRU prefix cache
     #: of ``decode_kv_blocks`` blocks that publishes KV events like the prefill engines', and only the
     #: blocks it lacks cross the link (the Router's transfer estimate already counts only those).
     incremental_transfer: bool = False
-    #: The seed 003 chapter's decode admission: a sequence joins a decode instance's batch only
+    #: The seed documents' decode admission: a sequence joins a decode instance's batch only
     #: while at most 256 run and the estimated ITL with it stays under 1.2 x the target (the TPOT
-    #: SLO, or the chapter's 50 ms); otherwise it waits for running sequences to finish.
+    #: SLO, or the seed's 50 ms); otherwise it waits for running sequences to finish.
     decode_admission: bool = False
-    #: The seed 003 chapter's prefill batching when > 0 (the chapter: 8192): an idle instance waits
+    #: The seed documents' prefill batching when > 0 (the seed: 8192): an idle instance waits
     #: ``prefill_batch_wait_s`` (10 ms) for a batch to form, then runs its pending requests sorted by
     #: prompt length while their prompt tokens fit this budget (a longer prompt runs alone); every
     #: request of a batch gets its first token when the batch ends. 0: FIFO, one request at a time.
@@ -67,7 +67,7 @@ class ClusterConfig:
     prefill_batch_wait_s: float = 0.01
 
     def max_decode_batch(self) -> int | None:
-        """With ``decode_admission``: the largest batch the chapter's rule admits (at least 1)."""
+        """With ``decode_admission``: the largest batch the seed's rule admits (at least 1)."""
         if not self.decode_admission:
             return None
         target = self.tpot_slo if self.tpot_slo is not None else 0.05
@@ -452,7 +452,7 @@ class _Disaggregated(_EngineModel):
 
 
 class _BatchedPrefill(_EngineModel):
-    """Unified mode with the seed 003 chapter's prefill batching (`ClusterConfig.prefill_batch_tokens`).
+    """Unified mode with the seed documents' prefill batching (`ClusterConfig.prefill_batch_tokens`).
 
     Events run in time order: a routed request joins its instance's pending list; an idle
     instance closes a batch ``prefill_batch_wait_s`` after the first request arrives, a busy one

@@ -1,5 +1,5 @@
 """The policy benchmark suite: every routing policy with early rejection on a fixed list of
-workloads (the seed chapter's chat, the Mooncake conversation trace, synthetic chat/agent/docs
+workloads (the seed's chat, the Mooncake conversation trace, synthetic chat/agent/docs
 shapes, long-context traces in the Mooncake format), at event lag 0 and 50 ms, several workload
 seeds each, beside the attainment limit (a bound no router beats, `kvroute.sim.limit`) and a
 global-cache run for reference. Each case is marked "tuning" or "held-out"; the split was fixed

@@ -1,4 +1,4 @@
-"""Per-run metrics exactly as the seed chapter computes them: token hit rate, TTFT median and
+"""Per-run metrics exactly as the seed computes them: token hit rate, TTFT median and
 p99 by index into the sorted TTFTs, SLO attainment over all requests (rejected ones count as missed).
 """
 

@@ -1,5 +1,5 @@
 """Workloads for the simulator: arrivals, prompt lengths and per-request block hashes.
-Generates the seed chapter's chat workload (bit-exact with its Python script) and holds traces.
+Generates the seed's chat workload (bit-exact with its Python script) and holds traces.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def seed_chat(
     block_size: int = 64,
     with_tokens: bool = False,
 ) -> Workload:
-    """The seed chapter's ``workload(rate, seconds, seed)``: ``systems`` system prompts of
+    """The seed's ``workload(rate, seconds, seed)``: ``systems`` system prompts of
     ``system_tokens`` tokens, ``conversations`` conversations each starting from a random system
     prompt, every request appending ``turn_tokens`` tokens to a random conversation; Poisson
     arrivals at ``rate`` per second. Generated with CPython's ``random.Random(seed)`` in the seed's

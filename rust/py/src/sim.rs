@@ -33,7 +33,7 @@ fn count(x: i64, what: &str, min: i64) -> PyResult<usize> {
     Ok(x as usize)
 }
 
-/// The seed chapter's chat workload (`workload(rate, seconds, seed)`), generated with CPython's
+/// The seed's chat workload (`workload(rate, seconds, seed)`), generated with CPython's
 /// MT19937 in the seed's call order, plus each request's chained block hashes.
 ///
 /// Returns a dict of numpy arrays: `arrival` (s), `conversation`, `num_tokens`, `hash_offsets`

@@ -9,7 +9,7 @@ pub use splitmix::SplitMix64;
 
 /// Where a Router's random choices come from. The Router is given one (`Router::with_random`);
 /// by default it is `PyRandom::new(seed)`, so `Router(policy="random", seed=1)` makes the seed
-/// chapter's own `random.Random(1).randrange(n)` draws.
+/// seed's own `random.Random(1).randrange(n)` draws.
 pub trait RandomSource: Send {
     /// Uniform in `0..n` (`n > 0`).
     fn below(&mut self, n: u64) -> u64;

@@ -42,7 +42,7 @@ impl Role {
 pub enum DecodeRule {
     /// Lowest predicted TPOT with the request, then most free KV blocks.
     Tpot,
-    /// The seed 003 chapter's score, the highest 0.5 (1 - ITL / target) + 0.3 bandwidth
+    /// The seed documents' score, the highest 0.5 (1 - ITL / target) + 0.3 bandwidth
     /// + 0.2 (1 - batch / 256) among workers with KV room (headroom `kv_headroom`, 20% by default).
     Score,
 }
@@ -209,7 +209,7 @@ pub struct PdConfig {
     /// KV cache bytes per token (for PD transfer time and prefix fetches).
     pub kv_bytes_per_token: f64,
     /// Bytes on the wire per byte of KV moved (1: uncompressed; 0.5: fp8 from 16-bit KV, the seed
-    /// 003 chapter's compressed transfer).
+    /// seed documents' compressed transfer).
     pub kv_compression: f64,
     /// KV transfer link bandwidth, bytes per second.
     pub link_bytes_per_s: f64,
@@ -284,7 +284,7 @@ impl Default for CacheViewConfig {
 /// defaults with the few values its entry point needs changed, and says why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
-    /// The simulator (and `Router()`): 64-token blocks, the seed chapter's; no token-share bound.
+    /// The simulator (and `Router()`): 64-token blocks, the seed's; no token-share bound.
     Simulator,
     /// `kvroute serve` with KV events: the engines' block size is vLLM's default, 16.
     Gateway,

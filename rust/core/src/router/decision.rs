@@ -19,7 +19,7 @@ pub enum Reason {
     Cost,
     /// "slack": cheapest prefill among workers that keep the TTFT SLO.
     Slack,
-    /// The seed 003 chapter's weighted node score.
+    /// The seed documents' weighted node score.
     NodeScore,
     /// Capacity-aware placement: slack's cost plus the recompute the cache it fills will cause.
     Capacity,

@@ -55,12 +55,12 @@ pub fn choose_decode(
     pick_min_by(tie_break, rotation, workers, eligible, most_free, load).map(DecodeChoice::NoRoom)
 }
 
-/// The seed 003 chapter's target ITL (50 ms), used when no TPOT SLO is set.
+/// The seed documents' target ITL (50 ms), used when no TPOT SLO is set.
 pub const SEED_TARGET_ITL_S: f64 = 0.05;
-/// The chapter's batch-size normaliser (its decode scheduler's maximum batch).
+/// The seed's batch-size normaliser (its decode scheduler's maximum batch).
 pub const SEED_MAX_BATCH: f64 = 256.0;
 
-/// The seed 003 chapter's decode score of `w` (higher is better): 0.5 (1 - ITL / target) + 0.3
+/// The seed documents' decode score of `w` (higher is better): 0.5 (1 - ITL / target) + 0.3
 /// bandwidth + 0.2 (1 - batch / 256), with ITL = the worker's current TPOT (`decode_step_s` +
 /// batch / decode speed; 0 when its speed is unknown), target = the TPOT SLO or 50 ms, bandwidth
 /// = its decode speed / the fastest decode worker's (the memory-bound decode rate stands in for
@@ -86,7 +86,7 @@ fn choose_by_score(
 ) -> Option<DecodeChoice> {
     let load = |w: &WorkerLoad| (w.decoding as f64, 0.0);
     let fastest = workers.iter().filter(|w| eligible(w)).filter_map(|w| w.spec.decode_tokens_per_s).fold(0.0, f64::max);
-    // Only workers with KV room (the chapter's 20% margin is `kv_headroom`'s default).
+    // Only workers with KV room (the seed's 20% margin is `kv_headroom`'s default).
     let roomy = |w: &WorkerLoad| eligible(w) && w.kv_fits(need, cfg.kv_headroom);
     let key = |w: &WorkerLoad| (-seed_decode_score(w, cfg, fastest), -(w.kv_free() as f64));
     if let Some(i) = pick_min_by(tie_break, rotation, workers, roomy, key, load) {

@@ -394,7 +394,7 @@ pub static PARAMS: &[Param] = &[
         name: "decode_choice",
         kind: Kind::Choice(DecodeRule::NAMES),
         policies: &[],
-        help: "PD mode: decode worker by lowest predicted TPOT, or the seed 003 chapter's score",
+        help: "PD mode: decode worker by lowest predicted TPOT, or the seed documents' score",
         get: |c| Some(Value::Str(c.decode.rule.name().into())),
         set: |c, v| {
             c.decode.rule = DecodeRule::from_name(&name_of(v)?)?;

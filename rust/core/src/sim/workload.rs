@@ -1,4 +1,4 @@
-//! The seed chapter's multi-turn chat workload, generated with CPython's `random.Random` in the
+//! The seed's multi-turn chat workload, generated with CPython's `random.Random` in the
 //! seed's exact call order, so a seed gives the very requests the seed's Python script gives.
 
 use crate::random::PyRandom;
@@ -68,7 +68,7 @@ mod tests {
 
     #[test]
     fn seed_request_counts() {
-        // The seed chapter prints 4814 requests at 40 req/s and 8456 at 70 req/s over 120 s.
+        // The seed prints 4814 requests at 40 req/s and 8456 at 70 req/s over 120 s.
         let shape = ChatShape::default();
         assert_eq!(seed_chat(40.0, 120.0, 0, &shape).arrival.len(), 4814);
         assert_eq!(seed_chat(70.0, 120.0, 0, &shape).arrival.len(), 8456);

@@ -1,12 +1,12 @@
-//! "node_score": the seed 003 chapter's prefill node selection, the highest
+//! "node_score": the seed documents' prefill node selection, the highest
 //! 0.4 x (1 - load) + 0.3 x (1 - queue depth / 10) + 0.2 x compute capacity + 0.1 x model present.
 //!
-//! The chapter does not define its terms; here, with what the Router knows: load = the worker's
+//! The seed documents do not define its terms; here, with what the Router knows: load = the worker's
 //! queueing delay as a fraction of the TTFT SLO (1 s without one), capped at 1; queue depth =
 //! requests waiting for or in prefill there (ours, or the engine's `waiting` when larger);
 //! compute capacity = prefill speed / the fastest candidate's; model present = 1 (a Router serves
 //! one model, so every worker has it). The rule is cache-blind: it is in the comparison because
-//! the seed chapter's system uses it, not because it is expected to win.
+//! the seed's system uses it, not because it is expected to win.
 
 use super::{pick_min, Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};

@@ -1,6 +1,6 @@
 //! "random": a uniformly random worker, one `below(n)` of the Router's random source per decision
 //! (by default CPython's `random.Random(seed).randrange(n)`, so `Router(policy="random", seed=1)`
-//! makes the seed chapter's own draws).
+//! makes the seed's own draws).
 
 use super::{Ctx, Policy};
 use crate::router::decision::{Candidate, Reason};
