@@ -326,13 +326,7 @@ impl Stream {
             // Tracked only when admitted there: a rejection leaves the request untracked.
             if let Ok(d) = self.sh.router.route(&req) {
                 if d.admitted {
-                    let tap = self.exact.then(|| UsageTap {
-                        sh: self.sh.clone(),
-                        worker: d.worker,
-                        predicted_blocks: d.overlap_blocks as u64,
-                        routed_tokens: Some(prompt.num_tokens),
-                        tail: Vec::new(),
-                    });
+                    let tap = self.exact.then(|| UsageTap::of(&self.sh, &d, prompt.num_tokens));
                     p.lease = Some(Lease { router: self.sh.router.clone(), rid, prefilled: false, tap });
                 }
             }
@@ -373,25 +367,16 @@ impl Stream {
                     Ok(v) => v,
                     Err(e) => return self.fail(400, &format!("request body is not valid JSON: {e}"), "invalid_request_error", None).await,
                 };
-                let (pool, lora) = match sh.pool(value.get("model")) {
-                    Pool::Any => (None, None),
-                    Pool::Of(workers, lora) => (Some(workers), lora),
-                    Pool::Unknown(model) => {
+                match sh.routed_prompt(&value, chat).await {
+                    Ok(r) => {
+                        self.exact = r.exact;
+                        (Some(r.prompt), r.pool)
+                    }
+                    Err(Unroutable::UnknownModel(model)) => {
                         let msg = format!("The model `{model}` does not exist.");
                         return self.fail(404, &msg, "NotFoundError", None).await;
                     }
-                };
-                let lora = lora.as_deref();
-                let prompt = match &sh.exact {
-                    Some(exact) => exact.prompt_async(&value, chat, lora).await.and_then(|p| exact.or_approx(&value, chat, p, lora)),
-                    None => approx_prompt(&value, chat, sh.block_size, sh.seed, lora).map(|p| (p, false)),
-                };
-                match prompt {
-                    Ok((p, exact)) => {
-                        self.exact = exact;
-                        (Some(p), pool)
-                    }
-                    Err(BadRequest(msg)) => return self.fail(400, &msg, "invalid_request_error", None).await,
+                    Err(Unroutable::Bad(BadRequest(msg))) => return self.fail(400, &msg, "invalid_request_error", None).await,
                 }
             }
             // Not a completion (or no body): picked on load alone.
@@ -466,13 +451,7 @@ impl Stream {
             }
         }
         let pick = list.join(",");
-        let tap = (self.exact && prompt.is_some()).then(|| UsageTap {
-            sh: sh.clone(),
-            worker: d.worker,
-            predicted_blocks: d.overlap_blocks as u64,
-            routed_tokens: prompt.as_ref().map(|p| p.num_tokens),
-            tail: Vec::new(),
-        });
+        let tap = prompt.as_ref().filter(|_| self.exact).map(|p| UsageTap::of(&sh, &d, p.num_tokens));
         if let Some(p) = &prompt {
             sh.metrics.tokens(p.num_tokens, p.num_tokens - d.uncached_tokens.min(p.num_tokens));
             if let Some(a) = &sh.approx {
@@ -486,13 +465,8 @@ impl Stream {
             lease: Some(Lease { router: sh.router.clone(), rid, prefilled: false, tap }),
             dispatch: Some(Dispatch::new(worker)),
         });
-        let set = |k: &str, v: &str| HeaderValueOption {
-            header: Some(PbHeader { key: k.into(), raw_value: v.as_bytes().to_vec(), ..Default::default() }),
-            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-            ..Default::default()
-        };
         let common = CommonResponse {
-            header_mutation: Some(HeaderMutation { set_headers: vec![set(DESTINATION, &pick)], remove_headers: vec![] }),
+            header_mutation: Some(HeaderMutation { set_headers: vec![overwrite(DESTINATION, pick.as_bytes())], remove_headers: vec![] }),
             clear_route_cache: true,
             ..Default::default()
         };
@@ -535,17 +509,9 @@ impl Stream {
     async fn immediate(&mut self, status: u16, message: &str, kind: &str, retry_after: Option<u64>) -> bool {
         self.decided = true;
         let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status}});
-        let mut set = vec![HeaderValueOption {
-            header: Some(PbHeader { key: "content-type".into(), raw_value: b"application/json".to_vec(), ..Default::default() }),
-            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-            ..Default::default()
-        }];
+        let mut set = vec![overwrite("content-type", b"application/json")];
         if let Some(s) = retry_after {
-            set.push(HeaderValueOption {
-                header: Some(PbHeader { key: "retry-after".into(), raw_value: s.to_string().into_bytes(), ..Default::default() }),
-                append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-                ..Default::default()
-            });
+            set.push(overwrite("retry-after", s.to_string().as_bytes()));
         }
         let resp = ImmediateResponse {
             status: Some(HttpStatus { code: status as i32 }),
@@ -572,6 +538,15 @@ fn endpoint_of_request(headers: &HeaderMap) -> (&'static str, Option<bool>) {
         "/v1/completions" => ("/v1/completions", Some(false)),
         "/v1/chat/completions" => ("/v1/chat/completions", Some(true)),
         _ => ("other", None),
+    }
+}
+
+/// A header the gateway sets, replacing any value it had.
+fn overwrite(key: &str, value: &[u8]) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(PbHeader { key: key.into(), raw_value: value.to_vec(), ..Default::default() }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
     }
 }
 

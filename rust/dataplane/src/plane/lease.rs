@@ -58,6 +58,17 @@ pub(super) struct UsageTap {
 }
 
 impl UsageTap {
+    /// The tap of a routed decision whose prompt was the engine's `routed_tokens` tokens.
+    pub(super) fn of(sh: &Arc<Shared>, d: &kvroute_core::router::decision::Decision, routed_tokens: u64) -> UsageTap {
+        UsageTap {
+            sh: sh.clone(),
+            worker: d.worker,
+            predicted_blocks: d.overlap_blocks as u64,
+            routed_tokens: Some(routed_tokens),
+            tail: Vec::new(),
+        }
+    }
+
     /// Bytes kept from the response's end: the usage object and what an engine writes after it.
     const KEEP: usize = 2048;
 

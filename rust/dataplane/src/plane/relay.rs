@@ -81,13 +81,7 @@ pub(super) async fn serve_hot(call: &Call<'_>, prompt: &ApproxPrompt, t0: Instan
         }
         // The self-check applies where predictions are meant to be the engine's (exact prompts).
         // A PD pair's answer comes from the decode side, whose reuse is not the predicted prefill hit.
-        let tap = (call.exact && d.path != RoutePath::Disaggregated).then(|| UsageTap {
-            sh: sh.clone(),
-            worker: d.worker,
-            predicted_blocks: d.overlap_blocks as u64,
-            routed_tokens: Some(prompt.num_tokens),
-            tail: Vec::new(),
-        });
+        let tap = (call.exact && d.path != RoutePath::Disaggregated).then(|| UsageTap::of(sh, &d, prompt.num_tokens));
         let lease = Lease { router: sh.router.clone(), rid, prefilled: false, tap };
         sh.metrics.tokens(prompt.num_tokens, prompt.num_tokens - d.uncached_tokens.min(prompt.num_tokens));
         if let Some(a) = &sh.approx {

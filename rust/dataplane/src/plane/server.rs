@@ -121,24 +121,31 @@ pub(super) async fn handle(sh: Arc<Shared>, ip: Arc<str>, req: Request<Incoming>
     };
     let t0 = Instant::now();
     let stream = value.get("stream").is_some_and(py_truthy);
-    let (pool, lora) = match sh.pool(value.get("model")) {
-        Pool::Any => (None, None),
-        Pool::Of(workers, lora) => (Some(workers), lora),
-        Pool::Unknown(model) => return adm.respond(model_not_found(&model)),
-    };
-    let lora = lora.as_deref();
-    let prompt = match &sh.exact {
-        // A valid body the exact prompter cannot reproduce routes on its approximate hashes.
-        Some(exact) => exact.prompt_async(&value, chat, lora).await.and_then(|p| exact.or_approx(&value, chat, p, lora)),
-        None => approx_prompt(&value, chat, sh.block_size, sh.seed, lora).map(|p| (p, false)),
-    };
-    match prompt {
-        Ok((prompt, exact)) => {
-            let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream, pool: pool.as_deref(), exact };
-            serve_hot(&call, &prompt, t0, adm).await
+    match sh.routed_prompt(&value, chat).await {
+        Ok(r) => {
+            let call = Call { sh: &sh, endpoint, headers: &parts.headers, raw: &raw, stream, pool: r.pool.as_deref(), exact: r.exact };
+            serve_hot(&call, &r.prompt, t0, adm).await
         }
-        Err(BadRequest(msg)) => adm.respond(error(400, &msg, "invalid_request_error", None)),
+        Err(Unroutable::UnknownModel(model)) => adm.respond(model_not_found(&model)),
+        Err(Unroutable::Bad(BadRequest(msg))) => adm.respond(error(400, &msg, "invalid_request_error", None)),
     }
+}
+
+/// A completion body's prompt as the plane routes it, and the workers it may go to.
+pub(super) struct Routed {
+    pub(super) prompt: ApproxPrompt,
+    /// The prompt is the engine's tokens (exact mode), not approximate hashes.
+    pub(super) exact: bool,
+    /// The workers serving the body's model (`None`: any).
+    pub(super) pool: Option<Vec<WorkerId>>,
+}
+
+/// Why a valid JSON body has no prompt to route on.
+pub(super) enum Unroutable {
+    /// No worker serves its model (the engines' 404).
+    UnknownModel(String),
+    /// The client's 400.
+    Bad(BadRequest),
 }
 
 /// Every request but completions: the plane's own endpoints, and the admin API passed to its owner.
@@ -377,6 +384,25 @@ impl Shared {
             }
         }
         Some(out)
+    }
+
+    /// The prompt a completion body routes on (exact, or approximate when not configured or not
+    /// reproducible exactly), keyed by the LoRA adapter its model names, and its model's pool: the
+    /// HTTP hot path's and the endpoint picker's one derivation.
+    pub(super) async fn routed_prompt(&self, value: &Value, chat: bool) -> Result<Routed, Unroutable> {
+        let (pool, lora) = match self.pool(value.get("model")) {
+            Pool::Any => (None, None),
+            Pool::Of(workers, lora) => (Some(workers), lora),
+            Pool::Unknown(model) => return Err(Unroutable::UnknownModel(model)),
+        };
+        let lora = lora.as_deref();
+        let prompt = match &self.exact {
+            // A valid body the exact prompter cannot reproduce routes on its approximate hashes.
+            Some(exact) => exact.prompt_async(value, chat, lora).await.and_then(|p| exact.or_approx(value, chat, p, lora)),
+            None => approx_prompt(value, chat, self.block_size, self.seed, lora).map(|p| (p, false)),
+        };
+        let (prompt, exact) = prompt.map_err(Unroutable::Bad)?;
+        Ok(Routed { prompt, exact, pool })
     }
 
     pub(super) fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
