@@ -213,10 +213,10 @@ class Gateway:
         self.url: str | None = None
         for w in workers:
             self.add_worker(w)
+        #: The workers ``endpoints_file`` brought (the file's changes add and remove only these).
+        self._from_file: set[str] = set()
         if cfg.endpoints_file is not None:
-            for url in read_endpoints(cfg.endpoints_file):
-                if all(w.url != url for w in self.workers.values()):
-                    self.add_worker(replace(self.endpoint_template, url=url))
+            self.sync_endpoints(read_endpoints(cfg.endpoints_file))
         elif not self.workers:
             raise ValueError("the gateway needs at least one worker (or prefill and decode workers)")
         unknown = set(cfg.kv_events) - {w.url for w in self.workers.values()}
@@ -240,16 +240,20 @@ class Gateway:
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
     def sync_endpoints(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
-        """Makes the unified workers exactly ``urls`` (added as ``endpoint_template``); returns the
-        urls (added, removed). Workers that go finish their requests in flight."""
+        """Makes the workers an endpoints file brought exactly ``urls`` (added as
+        ``endpoint_template``; workers configured otherwise stay); returns the urls (added,
+        removed). Workers that go finish their requests in flight."""
         want = list(dict.fromkeys(u.rstrip("/") for u in urls))
         have = {w.url: w for w in self.workers.values()}
         added = [u for u in want if u not in have]
-        removed = [u for u in have if u not in set(want)]
+        removed = sorted(self._from_file - set(want))
         for u in removed:
-            self.remove_worker(have[u].id)
+            self._from_file.discard(u)
+            if u in have:
+                self.remove_worker(have[u].id)
         for u in added:
             self.add_worker(replace(self.endpoint_template, url=u))
+            self._from_file.add(u)
         return added, removed
 
     async def _endpoints_loop(self) -> None:
