@@ -117,7 +117,7 @@ def chat_workload(n: int, turns: int, seed: int, answer_tokens: int = 1000) -> l
     vocab = ["".join(vocab_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(vocab_rng.randint(2, 10))) for _ in range(5000)]
     weights = [1.0 / (r + 1) ** 1.1 for r in range(len(vocab))]
 
-    def text(nbytes: int, _alphabet: str = "") -> str:
+    def text(nbytes: int) -> str:
         out = " ".join(rng.choices(vocab, weights, k=nbytes // 5 + 8))
         return out[:nbytes]
 

@@ -130,13 +130,10 @@ class Envoy:
         await asyncio.get_running_loop().run_in_executor(None, self.picker_healthy_sync, healthy, timeout)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from vllm_bed import stop_pid
+
+        if self.proc is not None:
+            stop_pid(self.proc, timeout=10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -204,7 +201,3 @@ class PickerCluster:
     async def post(self, path: str, body: dict[str, Any], **kw: Any) -> tuple[int, dict[str, str], bytes]:
         async with self.client.post(self.url + path, json=body, **kw) as r:
             return r.status, dict(r.headers), await r.read()
-
-
-def envoy_available() -> bool:
-    return envoy_binary() is not None and os.access(str(envoy_binary()), os.X_OK)
