@@ -7,12 +7,15 @@ engine event with the block and token hashes already computed, which is its rout
 ``{"event_id", "data": {"stored": {"parent_hash", "blocks": [{"block_hash", "tokens_hash"}]}}}`` and
 ``{"event_id", "data": {"removed": {"block_hashes": [...]}}}``.
 
-Run: ``python benches/bench_events.py`` (prints ours, Dynamo's and the ratio), or via pytest.
+Run: ``python benches/bench_events.py`` (prints ours, Dynamo's and the ratio; ``--results FILE`` also
+writes a results file, benches/results/bench_events.json), or via pytest.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -23,6 +26,9 @@ import msgspec
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests/support")
 from fake_engine import VllmBlockRemoved, VllmBlockStored, VllmEventBatch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file
 
 BLOCK_SIZE = 16
 
@@ -115,11 +121,24 @@ def test_bench_events_vs_dynamo(benchmark):
 
 
 if __name__ == "__main__":
-    r = run()
-    print(f"blocks per run: {r['blocks']}  (block size {BLOCK_SIZE}, median of 5 runs)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5, help="runs per side; the median is reported (default 5)")
+    ap.add_argument("--results", metavar="FILE", help="also write a results file (benches/results/bench_events.json)")
+    a = ap.parse_args()
+    if a.reps < 1:
+        ap.error("--reps must be >= 1")
+    r = run(reps=a.reps)
+    print(f"blocks per run: {r['blocks']}  (block size {BLOCK_SIZE}, median of {a.reps} runs)")
     print(f"kvroute apply_event_batch: {r['ours_blocks_per_s'] / 1e6:.2f} M blocks/s")
     if r["dynamo_blocks_per_s"] is None:
         print("Dynamo RadixTree.apply_event: not installed (pip install ai-dynamo-runtime==1.6.1)")
     else:
         print(f"Dynamo RadixTree.apply_event: {r['dynamo_blocks_per_s'] / 1e6:.2f} M blocks/s")
         print(f"ratio (ours / Dynamo): {r['ratio']:.2f}x")
+    if a.results:
+        cmd = f"python benches/bench_events.py --reps {a.reps} --results {os.path.relpath(a.results, results_file.ROOT)}"
+        doc = results_file.header("bench_events", cmd)
+        doc["setup"] = f"4 workers, 100 batches of 16 events (stores and removals), block size {BLOCK_SIZE}, median of {a.reps} runs"
+        doc.update(r)
+        results_file.write(a.results, doc)
+        print(f"wrote {a.results}")

@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+import results_file
 from bench_real_engines import MAX_TOKENS, Conversation, Result, calibrate_prefill, counters, drive, reset, vocabulary, workload
 from kvroute.integrations.engine_router import DEFAULT_TOKEN_SHARE_BOUND
 from kvroute.sim.suite import default_policy
@@ -431,6 +433,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="one JSON line per (integration, policy) after the table")
+    ap.add_argument("--results", metavar="FILE", help="also write a results file (benches/results/integrations.json)")
     ap.add_argument("--integrations", default="litellm,ray")
     ap.add_argument("--litellm-policies", default="kvroute,simple-shuffle,least-busy")
     ap.add_argument("--ray-policies", default=",".join(RAY_POLICIES))
@@ -498,6 +501,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         for r in rows:
             print(json.dumps(r))
+    if a.results:
+        argv_ = list(sys.argv[1:] if argv is None else argv)
+        doc = results_file.header("integrations", shlex.join(["python", "benches/bench_integrations.py", *argv_]))
+        doc["setup"] = (
+            f"2 vLLM CPU engines of the bed ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, "
+            f"{a.conversations} conversations x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, "
+            f"{a.clients} clients, max_tokens {MAX_TOKENS}, workload seed {a.seed}; kvroute told {prefill:.0f} prefill tokens/s"
+        )
+        doc["load_average"] = os.getloadavg()[0]
+        doc["rows"] = rows
+        results_file.write(a.results, doc)
+        print(f"wrote {a.results}", file=sys.stderr)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

@@ -1,7 +1,7 @@
 """Routers in front of the same real vLLM CPU engines (the bed, docs/e2e.md), one multi-turn chat
 workload through the official ``openai`` client, streamed; the engines' own counters say what each router bought.
 
-    KVROUTE_E2E_BED=.bed .bed/venv/bin/python benches/bench_real_engines.py [--json] [--num-blocks 192]
+    KVROUTE_E2E_BED=.bed .bed/venv/bin/python benches/bench_real_engines.py [--json] [--results FILE] [--num-blocks 192]
         [--conversations 64] [--turns 6] [--threads 6] [--seeds 0,1,2] [--routers kvroute,kvroute:cache_only,sglang]
         [--sglang-router PATH] [--vllm-router PATH] [--no-pd] [--prefill-tokens-per-s N]
 
@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_file
 from vllm_bed import BLOCK_SIZE, MODEL_NAME, Bed, Engine, Gateway, Picker, free_port, http_json, poll, reset_caches, stop_pid
 
 MAX_TOKENS = 16
@@ -428,6 +430,7 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="one JSON line per router (after the table)")
+    ap.add_argument("--results", metavar="FILE", help="also write a results file (benches/results/real_engines.json)")
     ap.add_argument("--num-blocks", type=int, default=192, help="KV blocks of 32 tokens per engine (default 192)")
     ap.add_argument("--systems", type=int, default=6)
     ap.add_argument("--conversations", type=int, default=64)
@@ -561,6 +564,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         for r in rows:
             print(json.dumps({**r, "kvroute_prefill_tokens_per_s": told.get("prefill_tokens_per_s")}))
+    if a.results:
+        argv_ = list(sys.argv[1:] if argv is None else argv)
+        doc = results_file.header("real_engines", shlex.join(["python", "benches/bench_real_engines.py", *argv_]))
+        doc["setup"] = (
+            f"2 vLLM CPU engines of the bed ({a.num_blocks} blocks of {BLOCK_SIZE} tokens each), {a.systems} system prompts, "
+            f"{a.conversations} conversations x {a.turns} turns = {turns} streamed chat requests per router and seed, "
+            f"{a.threads} client threads, max_tokens {MAX_TOKENS}; kvroute told {told.get('prefill_tokens_per_s', 'the default')} "
+            "prefill tokens/s and the engines' prefix-cache size"
+        )
+        doc["load_average"] = os.getloadavg()[0]
+        doc["seeds"] = seeds
+        doc["rows"] = rows
+        results_file.write(a.results, doc)
+        print(f"wrote {a.results}", file=sys.stderr)
     return 0 if all(r.errors == 0 for r in results) else 1
 
 

@@ -6,16 +6,23 @@ and a virtual-time queue per worker) assembled from NVIDIA Dynamo's Python piece
 hold the same blocks; the two routers are checked to pick the same workers.
 
     python benches/bench_router.py            # table: p50 / p99 per call, and the ratio
+    python benches/bench_router.py --results benches/results/bench_router.json   # also the results file
     pytest benches/bench_router.py --benchmark-enable
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 import time
 
 import kvroute
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file
 
 BLOCK = 64
 WORKERS = 64
@@ -97,7 +104,7 @@ def timeit(fn, args_list, repeat: int) -> np.ndarray:
     return out / 1000.0  # microseconds
 
 
-def main(repeat: int = 3000) -> None:
+def main(repeat: int = 3000, results: str | None = None) -> None:
     t0 = time.perf_counter()
     families, holders, queries = build()
     router = kvroute_router(families, holders)
@@ -153,6 +160,20 @@ def main(repeat: int = 3000) -> None:
         )
     else:
         print("dynamo peer not installed (pip install ai-dynamo-runtime==1.6.1): no ratio")
+    if results:
+        cmd = f"python benches/bench_router.py --repeat {repeat} --results {os.path.relpath(results, results_file.ROOT)}"
+        doc = results_file.header("bench_router", cmd)
+        doc["setup"] = (
+            f"an {PROMPT}-token prompt (6000 tokens cached on {HOLDERS} of {WORKERS} workers), "
+            f"{router.index.stats()['entries']:,} (block, worker) entries, block {BLOCK}"
+        )
+        doc["dynamo"] = "ai-dynamo-runtime 1.6.1" if peer is not None else None
+        doc["rows"] = [
+            {"what": name, "calls": len(xs), "p50_us": float(np.percentile(xs, 50)), "p99_us": float(np.percentile(xs, 99))}
+            for name, xs in rows
+        ]
+        results_file.write(results, doc)
+        print(f"wrote {results}")
 
 
 # ---- pytest-benchmark ---------------------------------------------------------------------
@@ -188,4 +209,10 @@ if pytest is not None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=3000, help="passes over the 64 queries per kvroute row (default 3000)")
+    ap.add_argument("--results", metavar="FILE", help="also write a results file (benches/results/bench_router.json)")
+    a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    main(a.repeat, a.results)

@@ -1,6 +1,6 @@
 """kvroute's index and hashing side by side with NVIDIA Dynamo's `RadixTree`, same workload, same run.
 
-Usage: python benches/compare_index.py [--workload interleaved|churn|in-order|vllm-replay] [--quick] [--json PATH]
+Usage: python benches/compare_index.py [--workload interleaved|churn|in-order|vllm-replay] [--quick] [--results FILE]
 Prints one table (ours, Dynamo's, ratio); Dynamo columns are skipped if ai-dynamo-runtime is absent.
 `--workload vllm-replay` replays a KV-event stream recorded from a real vLLM engine
 (`benches/record_vllm_events.py`; `--events PATH`) through both indexes, then matches its prompts.
@@ -16,7 +16,6 @@ import gc
 import gzip
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kvroute
+import results_file
 from peers import dynamo_available, dynamo_core, dynamo_scores, dynamo_stored_event, dynamo_tree
 from workload import Stream, chat_workload, churn_workload, in_order_stream, interleaved_workload, long_sessions
 
@@ -290,7 +290,7 @@ def measure_memory(which: str, workload: str, workers: int, entries: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller workload (~200k entries) for a fast check")
-    ap.add_argument("--json", type=Path, help="also write the figures as JSON")
+    ap.add_argument("--results", type=Path, metavar="FILE", help="also write a results file (benches/results/compare_index.json)")
     ap.add_argument(
         "--workload",
         choices=["interleaved", "churn", "in-order", "vllm-replay"],
@@ -310,11 +310,9 @@ def main() -> None:
     entries = 200_000 if a.quick else 1_000_000
     dyn = dynamo_available()
     rows: list[tuple[str, float, float | None, str]] = []  # (metric, ours, theirs, unit)
-    results: dict = {"entries": entries, "workload": a.workload, "python": platform.python_version(), "dynamo": dyn}
 
     def row(name: str, ours: float, theirs: float | None, unit: str) -> None:
         rows.append((name, ours, theirs, unit))
-        results[name] = {"kvroute": ours, "dynamo": theirs, "unit": unit}
 
     # Hashing: an 8192-token prompt, block 64.
     toks = np.random.default_rng(1).integers(0, 2**17, size=8192, dtype=np.uint32)
@@ -328,8 +326,7 @@ def main() -> None:
     if a.workload == "vllm-replay":
         if not a.events.exists():
             sys.exit(f"compare_index: no recorded stream at {a.events}; record one with benches/record_vllm_events.py")
-        results["recording"] = vllm_replay(a.events, dyn, row)
-        print(json.dumps(results["recording"]))
+        print(json.dumps(vllm_replay(a.events, dyn, row)))
     for workers in (8, 64) if a.workload != "vllm-replay" else ():
         streams = make_streams(a.workload, workers, entries)
         sessions = streams[-1][1].sessions
@@ -401,8 +398,15 @@ def main() -> None:
         fmt = (lambda v: f"{v / 1e6:.2f}M") if unit == "blocks/s" else (lambda v: f"{v:.2f}")
         print(f"{name:<{w}}  {fmt(ours):>12}  {fmt(theirs) if theirs is not None else '-':>12}  {ratio:>8}")
     print("\nratio: how many times better kvroute is (lower latency/memory, higher throughput)")
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+    if a.results:
+        cmd = "python benches/compare_index.py" + (f" --workload {a.workload}" if a.workload != "interleaved" else "")
+        cmd += (" --quick" if a.quick else "") + f" --results {os.path.relpath(a.results, results_file.ROOT)}"
+        doc = results_file.header("compare_index", cmd)
+        doc["workload"], doc["entries"] = a.workload, (entries if a.workload != "vllm-replay" else None)
+        doc["dynamo"] = "ai-dynamo-runtime 1.6.1 RadixTree" if dyn else None
+        doc["rows"] = [{"metric": n, "kvroute": o, "dynamo": t, "unit": u} for n, o, t, u in rows]
+        results_file.write(str(a.results), doc)
+        print(f"wrote {a.results}")
 
 
 if __name__ == "__main__":
