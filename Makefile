@@ -45,9 +45,10 @@ bench-peers:
 e2e:
 	KVROUTE_E2E_BED=$(E2E_BED) tests/e2e/build_bed.sh
 	KVROUTE_E2E_BED=$(E2E_BED) KVROUTE_E2E_REQUIRED=1 $(E2E_BED)/venv/bin/python -m pytest tests/e2e
-	# The integrations' fake-engine tests need litellm and ray, which only the bed has; a process of their
-	# own, because LiteLLM keeps global state (callbacks, its logging worker) that the e2e LiteLLM tests leave behind.
-	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py
+	# The integrations' fake-engine tests and docs/integrations.md's examples need litellm and ray, which only the
+	# bed has; a process of their own, because LiteLLM keeps global state (callbacks, its logging worker) that the
+	# e2e LiteLLM tests leave behind.
+	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py tests/docs/test_integrations_guide.py
 # The README's test command, verbatim, in a fresh virtualenv (keep identical to the README's second set-up command).
 readme-test:
 	rm -rf $(VENV) && python3 -m venv $(VENV)

@@ -1,8 +1,9 @@
 """The guides' Python examples run as written, with what they leave to the reader filled in: the
 Router's (docs/router.md), the KV-event subscriber's (docs/events.md), the realistic engine model's
 (docs/simulator.md) and the gateway's `run` (docs/gateway.md, in front of mock engines). The
-integrations' examples run on the real-engine bed (tests/e2e/test_e2e_litellm_proxy.py pastes the
-documented proxy config); the endpoint picker's Envoy bootstrap runs in tests/gateway/test_epp.py."""
+integrations' examples run in tests/docs/test_integrations_guide.py (with LiteLLM and Ray Serve, which
+the real-engine bed has) and tests/e2e/test_e2e_litellm_proxy.py (the documented proxy config); the
+endpoint picker's Envoy bootstrap runs in tests/gateway/test_epp.py."""
 
 from __future__ import annotations
 
