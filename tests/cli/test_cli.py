@@ -148,6 +148,21 @@ BAD = [
     (["serve", "--prefill", "http://127.0.0.1:9", "x", "--decode", "http://127.0.0.1:8"], "integer >= 1"),
     (["serve", "--prefill", "http://127.0.0.1:9"], "both --prefill and --decode"),
     (["serve"], "at least one --worker"),
+    (["epp"], "at least one --worker, or --endpoints-file"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--grpc-port", "70000"], "<= 65535"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--port", "-1"], "integer >= 0"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--kv-events-port", "0"], "TCP port (1..65535)"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--kv-events-port", "70000"], "<= 65535"),
+    (["epp", "--endpoints-file", "/nonexistent/endpoints"], "no such file"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--endpoints-interval", "0"], "number > 0"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--drain-seconds", "-1"], "number >= 0"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--threads", "0"], "integer >= 1"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--block-size", "0"], "block_size must be >= 1"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--token-share-bound", "0"], "token_share_bound"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--tpot-slo", "-1"], "tpot_slo"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--read-timeout", "0"], "number > 0"),
+    (["epp", "--worker", "http://127.0.0.1:9", "--max-in-flight", "0"], "integer >= 1"),
+    (["epp", "--worker", "127.0.0.1:9"], "http(s)://host"),
     (["nosuch"], "invalid choice"),
 ]
 
@@ -156,6 +171,16 @@ BAD = [
 def test_bad_input_is_one_line_and_status_2(args: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
     """No option answers a bad value with a traceback: one line on stderr naming the problem, exit 2."""
     assert msg in refusal(args, capsys)
+
+
+@pytest.mark.parametrize(
+    "content,msg",
+    [("[1,", "not a JSON list of endpoints"), ('["10.0.0.1:8000", 7]', "a list of strings"), ("just-a-host\n", "is not host:port")],
+)
+def test_a_bad_endpoints_file_is_one_line(content: str, msg: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "endpoints"
+    path.write_text(content)
+    assert msg in refusal(["epp", "--endpoints-file", str(path)], capsys)
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

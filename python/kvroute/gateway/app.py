@@ -581,7 +581,10 @@ def read_endpoints(path: str) -> list[str]:
         text = f.read()
     stripped = text.strip()
     if stripped.startswith("["):
-        entries = json.loads(stripped)
+        try:
+            entries = json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON list of endpoints ({e})") from None
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValueError(f"{path}: a JSON endpoints file is a list of strings")
     else:
