@@ -583,8 +583,8 @@ def read_endpoints(path: str) -> list[str]:
     if stripped.startswith("["):
         try:
             entries = json.loads(stripped)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a JSON list of endpoints ({e})") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a JSON list of endpoints ({err})") from None
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValueError(f"{path}: a JSON endpoints file is a list of strings")
     else:
