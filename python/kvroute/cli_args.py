@@ -75,6 +75,16 @@ def existing_file(s: str) -> str:
     return s
 
 
+def file_in_existing_dir(s: str) -> str:
+    """A file path whose directory exists; the file itself may appear later (written by another process)."""
+    d = os.path.dirname(os.path.abspath(s))
+    if not os.path.isdir(d):
+        raise argparse.ArgumentTypeError(f"no such directory: {d!r}")
+    if os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"{s!r} is a directory, not a file")
+    return s
+
+
 def rate_list(s: str) -> list[float]:
     """Rates (> 0): ``40``, a list ``40,70``, or an inclusive range ``40:90:10`` (start <= stop, step > 0)."""
     out: list[float] = []

@@ -25,7 +25,7 @@ def docs(name: str) -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d}
 
 
-def test_the_pool_names_the_picker_and_the_ports_agree() -> None:
+def test_the_pool_names_the_picker_and_the_ports_agree(tmp_path: Path) -> None:
     pool = docs("inferencepool.yaml")["InferencePool"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     epp = docs("epp.yaml")
@@ -34,7 +34,14 @@ def test_the_pool_names_the_picker_and_the_ports_agree() -> None:
     grpc = next(p for p in epp["Service"]["spec"]["ports"] if p["port"] == ref["port"]["number"])
     assert grpc["appProtocol"] == "http2"
     container = epp["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    a = build_parser().parse_args(container["args"])
+    # The container's volumes, mounted here (the parser checks the endpoints file's directory exists).
+    mounts = {m["mountPath"]: tmp_path / m["name"] for m in container["volumeMounts"]}
+    for d in mounts.values():
+        d.mkdir()
+    args = list(container["args"])
+    for mount, d in mounts.items():
+        args = [str(d) + x[len(mount) :] if x.startswith(mount + "/") else x for x in args]
+    a = build_parser().parse_args(args)
     assert a.command == "epp" and a.grpc_port == grpc["targetPort"] == ref["port"]["number"]
     assert {p["containerPort"] for p in container["ports"]} == {a.grpc_port, a.port}
     assert container["readinessProbe"]["grpc"] == {"port": a.grpc_port, "service": "readiness"}
@@ -44,7 +51,9 @@ def test_the_pool_names_the_picker_and_the_ports_agree() -> None:
     script = sidecar["command"][-1]
     label = ",".join(f"{k}={v}" for k, v in pool["spec"]["selector"]["matchLabels"].items())
     assert f"-l {label}" in script and f':{pool["spec"]["targetPorts"][0]["number"]}"' in script
-    assert a.endpoints_file.startswith(sidecar["volumeMounts"][0]["mountPath"] + "/")
+    # The file is on the volume the sidecar writes.
+    (shared,) = sidecar["volumeMounts"]
+    assert a.endpoints_file.startswith(str(tmp_path / shared["name"]) + "/")
     gw = docs("gateway.yaml")
     backend = gw["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]
     assert (backend["group"], backend["kind"], backend["name"]) == (

@@ -332,6 +332,27 @@ def test_endpoints_file_adds_and_removes_workers(tmp_path: Any) -> None:
     run(scenario(), 30)
 
 
+def test_an_endpoints_file_written_after_start_up_brings_its_workers(tmp_path: Any) -> None:
+    """On Kubernetes the sidecar writing the file starts beside the picker: until the file exists the
+    picker has no workers (Envoy gets 503), then it has the file's."""
+
+    async def scenario() -> None:
+        mock = MockWorker("w0")
+        await mock.start()
+        path = tmp_path / "endpoints"
+        gw = make_gateway(kvroute.Router(), endpoints_file=str(path), endpoints_interval=0.02, health_interval=0.05, models_interval=0)
+        await gw.start("127.0.0.1", 0, epp_port=0)
+        try:
+            assert not gw.workers
+            path.write_text(mock.url.removeprefix("http://") + "\n")
+            await poll(lambda: [w.url for w in gw.workers.values()] == [mock.url], what="the file's worker")
+        finally:
+            await gw.stop()
+            await mock.stop()
+
+    run(scenario(), 30)
+
+
 def test_read_endpoints_names_a_bad_entry(tmp_path: Any) -> None:
     p = tmp_path / "e"
     p.write_text("10.0.0.1:8000\nhttp://10.0.0.2:9000/\n10.0.0.1:8000\n")

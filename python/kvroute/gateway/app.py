@@ -216,7 +216,13 @@ class Gateway:
         #: The workers ``endpoints_file`` brought (the file's changes add and remove only these).
         self._from_file: set[str] = set()
         if cfg.endpoints_file is not None:
-            self.sync_endpoints(read_endpoints(cfg.endpoints_file))
+            # A sidecar started beside the picker may not have written the file yet: no workers until it does.
+            try:
+                urls = read_endpoints(cfg.endpoints_file)
+            except FileNotFoundError:
+                log.warning("endpoints file %s does not exist yet: no workers until it does", cfg.endpoints_file)
+                urls = []
+            self.sync_endpoints(urls)
         elif not self.workers:
             raise ValueError("the gateway needs at least one worker (or prefill and decode workers)")
         unknown = set(cfg.kv_events) - {w.url for w in self.workers.values()}

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvroute.cli_args import OneLineErrors, existing_file, integer, number, port
+from kvroute.cli_args import OneLineErrors, file_in_existing_dir, integer, number, port
 from kvroute.router_flags import add_router_flags, router_options
 
 __all__ = ["add_epp_parser", "add_serve_parser", "build_gateway", "cmd_epp", "cmd_serve"]
@@ -61,10 +61,11 @@ def _add_gateway_arguments(p: argparse.ArgumentParser, *, epp: bool) -> None:
     if epp:
         g.add_argument(
             "--endpoints-file",
-            type=existing_file,
+            type=file_in_existing_dir,
             metavar="PATH",
             help="file listing the workers (host:port or URLs, one per line or a JSON list), re-read as it changes: "
-            "on Kubernetes, kept current from the InferencePool's pods by a sidecar (deploy/)",
+            "on Kubernetes, kept current from the InferencePool's pods by a sidecar (deploy/); until it exists, "
+            "there are no workers (requests get 503)",
         )
         g.add_argument(
             "--endpoints-interval", type=number(0, above=True), default=1.0, metavar="S", help="re-read --endpoints-file every S s"
