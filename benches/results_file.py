@@ -16,8 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def header(benchmark: str, command: str, machine: str | None = None) -> dict[str, Any]:
     """The fields every results file starts with; `machine` defaults to arch, CPUs and CPython."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    # Uncommitted changes to tracked files: the figures are not exactly that commit's.
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip():
+    # Uncommitted changes to tracked files (other results files aside): the figures are not exactly that commit's.
+    status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benches/results"]
+    if subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout.strip():
         commit += "-dirty"
     return {
         "benchmark": benchmark,
