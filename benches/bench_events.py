@@ -136,8 +136,7 @@ if __name__ == "__main__":
         print(f"Dynamo RadixTree.apply_event: {r['dynamo_blocks_per_s'] / 1e6:.2f} M blocks/s")
         print(f"ratio (ours / Dynamo): {r['ratio']:.2f}x")
     if a.results:
-        cmd = f"python benches/bench_events.py --reps {a.reps} --results {os.path.relpath(a.results, results_file.ROOT)}"
-        doc = results_file.header("bench_events", cmd)
+        doc = results_file.header("bench_events", results_file.command("bench_events.py"))
         doc["setup"] = f"4 workers, 100 batches of 16 events (stores and removals), block size {BLOCK_SIZE}, median of {a.reps} runs"
         doc.update(r)
         results_file.write(a.results, doc)

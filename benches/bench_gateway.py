@@ -442,7 +442,7 @@ async def main(a: argparse.Namespace) -> int:
                 for name, xs in lat.items()
             ]
             kind = "gateway_epp" if a.epp else "gateway_exact" if a.exact else "gateway"
-            doc = results_file.header(kind, "python benches/bench_gateway.py " + " ".join(sys.argv[1:]))
+            doc = results_file.header(kind, results_file.command("bench_gateway.py"))
             results_file.write(a.results, {**doc, "setup": setup, "load_average": os.getloadavg()[0], "rows": rows, "verdicts": verdicts})
             print(f"wrote {a.results}")
         return 0 if not any(fails.values()) else 1

@@ -32,7 +32,6 @@ import asyncio
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -502,8 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
     if a.results:
-        argv_ = list(sys.argv[1:] if argv is None else argv)
-        doc = results_file.header("integrations", shlex.join(["python", "benches/bench_integrations.py", *argv_]))
+        doc = results_file.header("integrations", results_file.command("bench_integrations.py", argv))
         doc["setup"] = (
             f"2 vLLM CPU engines of the bed ({a.num_blocks} blocks of {BLOCK_SIZE} tokens), {a.systems} system prompts, "
             f"{a.conversations} conversations x {a.turns} turns = {a.conversations * a.turns} streamed chat requests per run, "

@@ -565,8 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             print(json.dumps({**r, "kvroute_prefill_tokens_per_s": told.get("prefill_tokens_per_s")}))
     if a.results:
-        argv_ = list(sys.argv[1:] if argv is None else argv)
-        doc = results_file.header("real_engines", shlex.join(["python", "benches/bench_real_engines.py", *argv_]))
+        doc = results_file.header("real_engines", results_file.command("bench_real_engines.py", argv))
         doc["setup"] = (
             f"2 vLLM CPU engines of the bed ({a.num_blocks} blocks of {BLOCK_SIZE} tokens each), {a.systems} system prompts, "
             f"{a.conversations} conversations x {a.turns} turns = {turns} streamed chat requests per router and seed, "

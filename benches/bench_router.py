@@ -161,8 +161,7 @@ def main(repeat: int = 3000, results: str | None = None) -> None:
     else:
         print("dynamo peer not installed (pip install ai-dynamo-runtime==1.6.1): no ratio")
     if results:
-        cmd = f"python benches/bench_router.py --repeat {repeat} --results {os.path.relpath(results, results_file.ROOT)}"
-        doc = results_file.header("bench_router", cmd)
+        doc = results_file.header("bench_router", results_file.command("bench_router.py"))
         doc["setup"] = (
             f"an {PROMPT}-token prompt (6000 tokens cached on {HOLDERS} of {WORKERS} workers), "
             f"{router.index.stats()['entries']:,} (block, worker) entries, block {BLOCK}"

@@ -109,6 +109,5 @@ if __name__ == "__main__":
     a = ap.parse_args()
     doc = {"seed_table": seed_speed(), "mooncake": mooncake_speed()}
     if a.results:
-        cmd = f"python benches/bench_sim.py --results {os.path.relpath(a.results, results_file.ROOT)}"
-        results_file.write(a.results, {**results_file.header("bench_sim", cmd), **doc})
+        results_file.write(a.results, {**results_file.header("bench_sim", results_file.command("bench_sim.py")), **doc})
         print(f"wrote {a.results}")

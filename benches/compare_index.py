@@ -399,9 +399,7 @@ def main() -> None:
         print(f"{name:<{w}}  {fmt(ours):>12}  {fmt(theirs) if theirs is not None else '-':>12}  {ratio:>8}")
     print("\nratio: how many times better kvroute is (lower latency/memory, higher throughput)")
     if a.results:
-        cmd = "python benches/compare_index.py" + (f" --workload {a.workload}" if a.workload != "interleaved" else "")
-        cmd += (" --quick" if a.quick else "") + f" --results {os.path.relpath(a.results, results_file.ROOT)}"
-        doc = results_file.header("compare_index", cmd)
+        doc = results_file.header("compare_index", results_file.command("compare_index.py"))
         doc["workload"], doc["entries"] = a.workload, (entries if a.workload != "vllm-replay" else None)
         doc["dynamo"] = "ai-dynamo-runtime 1.6.1 RadixTree" if dyn else None
         doc["rows"] = [{"metric": n, "kvroute": o, "dynamo": t, "unit": u} for n, o, t, u in rows]

@@ -226,9 +226,16 @@ def _race_figures(cells: dict[tuple[str, str, int], dict[str, Any]]) -> list[tup
     return known + [(f, f) for f in rest]
 
 
-def _race_footer(res: dict[str, Any]) -> str:
+def _footer(res: dict[str, Any]) -> str:
+    """Where a result comes from: its command, commit (a `--quick` smoke run said so), machine, date
+    and, where the file has it, the load average when it ended."""
     quick = " (a `--quick` smoke run)" if res.get("quick") else ""
-    return f"`{res['command']}` at {res['commit']}{quick}, {res['machine']}, {res['date']}."
+    load = f", load average {res['load_average']:.2f}" if "load_average" in res else ""
+    return f"`{res['command']}` at {res['commit']}{quick}, {res['machine']}, {res['date']}{load}."
+
+
+def _setup_footer(res: dict[str, Any]) -> str:
+    return f"{res['setup']}. {_footer(res)}"
 
 
 def index_race(res: dict[str, Any]) -> str:
@@ -245,7 +252,7 @@ def index_race(res: dict[str, Any]) -> str:
                 f"| {col[0]} W={col[1]} | {label} | {_race_value(fig, c['kvroute'])} | "
                 f"{_race_value(fig, c['best_dynamo'])} ({c['best_dynamo_indexer']}) | {adv:.2f}x |"
             )
-    out += ["", _race_footer(res)]
+    out += ["", _footer(res)]
     return "\n".join(out) + "\n"
 
 
@@ -270,7 +277,7 @@ def index_race_brief(res: dict[str, Any]) -> str:
     if ratio:
         out.append(f"| reader p99 beside a 1M blocks/s writer, against idle | at most {max(ratio):.2f}x |")
     names = ", ".join(f"{w} W={n}" for w, n in streams)
-    out += ["", f"Lowest and highest over {len(streams)} streams ({names}; ~1M entries). {_race_footer(res)}"]
+    out += ["", f"Lowest and highest over {len(streams)} streams ({names}; ~1M entries). {_footer(res)}"]
     return "\n".join(out) + "\n"
 
 
@@ -292,12 +299,6 @@ def _gateway_table(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def _gateway_footer(res: dict[str, Any]) -> str:
-    return (
-        f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}."
-    )
-
-
 def gateway_epp(res: dict[str, Any]) -> str:
     """docs/epp.md, docs/benchmarks.md: Envoy alone against Envoy + kvroute epp, same engines, same run."""
     v = res["verdicts"]["epp_added"]
@@ -308,7 +309,7 @@ def gateway_epp(res: dict[str, Any]) -> str:
         f"{'met' if v['met'] else 'missed'}); its own CPU is {v['epp_cpu_us']:.0f} us per request. "
         "(CPU per request: envoy is Envoy's process, envoy+epp the picker's; direct is the client straight to the engines.)",
         "",
-        _gateway_footer(res),
+        _setup_footer(res),
     ]
     return "\n".join(out) + "\n"
 
@@ -324,13 +325,9 @@ def gateway_exact(res: dict[str, Any]) -> str:
         f"{v['approx_us']:.0f} us (target: <= 2x: {'met' if v['met'] else 'missed'}); without the prefix store (kvroute-whole) "
         f"{v['whole_us']:.0f} us, {v['whole_us'] / v['exact_us']:.2f}x more.",
         "",
-        _gateway_footer(res),
+        _setup_footer(res),
     ]
     return "\n".join(out) + "\n"
-
-
-def _footer(res: dict[str, Any]) -> str:
-    return f"`{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}."
 
 
 def compare_index(res: dict[str, Any]) -> str:
@@ -402,7 +399,7 @@ def real_engines(res: dict[str, Any]) -> str:
         )
     out += [
         "",
-        f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}.",
+        _setup_footer(res),
     ]
     return "\n".join(out) + "\n"
 
@@ -422,7 +419,7 @@ def integrations(res: dict[str, Any]) -> str:
         )
     out += [
         "",
-        f"{res['setup']}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}, load average {res['load_average']:.2f}.",
+        _setup_footer(res),
     ]
     return "\n".join(out) + "\n"
 
@@ -437,7 +434,7 @@ def gateway(res: dict[str, Any]) -> str:
             f"`kvroute serve` adds **{v['p50_us']:.0f} us** at p50 and {v['p99_us']:.0f} us at p99 over calling the engines directly "
             f"(target: p50 <= 300 us, p99 <= 1000 us: {'met' if v['met'] else 'missed'}).",
         ]
-    out += ["", _gateway_footer(res)]
+    out += ["", _setup_footer(res)]
     return "\n".join(out) + "\n"
 
 

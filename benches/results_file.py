@@ -7,10 +7,18 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command(script: str, argv: Sequence[str] | None = None) -> str:
+    """The command line that ran ``benches/<script>``: its arguments as given (default: ``sys.argv``'s)."""
+    return shlex.join(["python", f"benches/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def header(benchmark: str, command: str, machine: str | None = None) -> dict[str, Any]:
