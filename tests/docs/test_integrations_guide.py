@@ -10,13 +10,11 @@ import os
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
 
-import asyncio
 import contextlib
 import hashlib
 import io
 import json
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ pytest.importorskip("zmq")
 from exact_tokenizers import build_word_level
 from fake_engine import FakePublisher
 from kvroute.gateway.mock import MockWorker
+from loop_thread import LoopThread
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -56,12 +55,10 @@ class Engines:
     addresses, and a local tokenizer, where the guide has 10.0.0.1 / 10.0.0.2 and /models/..."""
 
     def __init__(self, tmp: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.loop = LoopThread()
         self.workers = [MockWorker(f"engine-{i}", models=(MODEL,)) for i in (1, 2)]
         for w in self.workers:
-            asyncio.run_coroutine_threadsafe(w.start(), self.loop).result(10)
+            self.loop.run(w.start(), 10)
         self.publishers = [FakePublisher() for _ in self.workers]
         self.tokenizer = build_word_level(tmp / "tokenizer")
 
@@ -89,9 +86,8 @@ class Engines:
 
     def close(self) -> None:
         for w in self.workers:
-            asyncio.run_coroutine_threadsafe(w.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+            self.loop.run(w.stop(), 10)
+        self.loop.close()
         for p in self.publishers:
             p.close()
 

@@ -12,17 +12,16 @@ import vllm_bed
 
 vllm_bed.skip_unless_bed()
 
-import asyncio
 import json
 import random
 import shutil
-import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import kvroute
 from kvroute.gateway.app import Gateway, make_gateway
+from loop_thread import LoopThread
 from test_e2e_index import EVENT_WAIT, expected_cached, words
 from vllm_bed import ADAPTER_NAMES, BLOCK_SIZE, MODEL_NAME, http_json, poll
 
@@ -34,9 +33,7 @@ class LiveGateway:
     test can read its index and self-check between requests."""
 
     def __init__(self, engines: list[vllm_bed.Engine], *, tokenizer: Path, block_size: int = BLOCK_SIZE) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
-        self.thread.start()
+        self.loop = LoopThread("gateway-loop")
         self.router = kvroute.Router(preset="gateway", block_size=block_size)
         self.gw: Gateway = make_gateway(
             self.router,
@@ -46,15 +43,13 @@ class LiveGateway:
             kv_events_replay={e.url: e.replay for e in engines},
             health_interval=0.5,
         )
-        self.url = asyncio.run_coroutine_threadsafe(self.gw.start("127.0.0.1", 0), self.loop).result(60)
+        self.url = self.loop.run(self.gw.start("127.0.0.1", 0), 60)
         self.ids = {w.url: w.id for w in self.gw.workers.values()}
 
     def close(self) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self.gw.stop(), self.loop).result(30)
+            self.loop.run(self.gw.stop(), 30)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
             self.loop.close()
 
     @property

@@ -16,12 +16,14 @@ litellm = pytest.importorskip("litellm")
 pytest.importorskip("aiohttp")
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from kvroute.gateway.mock import MockWorker
 from kvroute.integrations.engine_router import EngineRouter
 from kvroute.integrations.litellm import LEASES_KEY, KvrouteProxyHandler, KvrouteStrategy
+from loop_thread import LoopThread
 
 
 class Clock:
@@ -234,12 +236,8 @@ def test_sync_completion_path() -> None:
     async def start() -> list[MockWorker]:
         return await _engines(2)
 
-    loop = asyncio.new_event_loop()
-    import threading
-
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    ws = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    loop = LoopThread()
+    ws = loop.run(start(), 10)
     saved = list(litellm.callbacks)
     er = EngineRouter(block_size=16)
     try:
@@ -261,9 +259,8 @@ def test_sync_completion_path() -> None:
         litellm.callbacks[:] = saved
         er.close()
         for w in ws:
-            asyncio.run_coroutine_threadsafe(w.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(5)
+            loop.run(w.stop(), 10)
+        loop.close()
 
 
 def test_proxy_handler_reads_its_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

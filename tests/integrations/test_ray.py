@@ -11,13 +11,13 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 pytest.importorskip("aiohttp")
 
-import asyncio
 import json
 import threading
 from collections.abc import Iterator
 
 from kvroute.gateway.mock import MockWorker
 from kvroute.integrations.ray_serve import build_app
+from loop_thread import LoopThread
 from serve_app import ServeApp
 
 
@@ -25,12 +25,10 @@ class Cluster(ServeApp):
     """Two mock engines on an event loop of their own, behind a two-ingress kvroute Serve app."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.loop = LoopThread()
         self.engines = [MockWorker(f"e{i}") for i in range(2)]
         for e in self.engines:
-            asyncio.run_coroutine_threadsafe(e.start(), self.loop).result(10)
+            self.loop.run(e.start(), 10)
         # Serve's workers run this interpreter, so they import the kvroute installed here (never the
         # source tree: it has no built _core outside an editable install).
         # No engine /metrics polling after the first (an hour apart): the failover test needs the
@@ -44,9 +42,8 @@ class Cluster(ServeApp):
     def close(self) -> None:
         super().close()
         for e in self.engines:
-            asyncio.run_coroutine_threadsafe(e.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+            self.loop.run(e.stop(), 10)
+        self.loop.close()
 
 
 def wait_released(cluster: Cluster) -> None:
@@ -131,7 +128,7 @@ def test_a_dead_engine_is_failed_over(cluster: Cluster) -> None:
         homes[conv] = dead if dead.completed > before else live
     assert dead in homes.values(), "some conversation lives on the engine that will stop"
     port = dead.port
-    asyncio.run_coroutine_threadsafe(dead.stop(), cluster.loop).result(10)
+    cluster.loop.run(dead.stop(), 10)
     try:
         served_before = live.completed
         for turn in (1, 2):
@@ -148,7 +145,7 @@ def test_a_dead_engine_is_failed_over(cluster: Cluster) -> None:
             lz = rs[0]["leases"]
             assert lz["opened"] == lz["finished"] + lz["failed"] + lz["cancelled"] and lz["expired"] == 0, lz
     finally:
-        asyncio.run_coroutine_threadsafe(dead.start(port), cluster.loop).result(10)
+        cluster.loop.run(dead.start(port), 10)
 
 
 @pytest.mark.parametrize("num_cpus", [0, -1.0, float("nan")])
