@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import io
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,8 @@ from exact_tokenizers import build_word_level
 from fake_engine import FakePublisher
 from kvroute.gateway.mock import MockWorker
 from loop_thread import LoopThread
+from test_guides import python_block
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -38,15 +37,6 @@ def mock_answer(messages: list[dict[str, str]], max_tokens: int = 16) -> str:
     text = "".join(f"{m['role']}:{m['content']}\n" for m in messages)
     seed = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
     return "".join(f" {seed}-{i}" for i in range(max_tokens))
-
-
-def python_blocks(after: str) -> list[str]:
-    """The ```python blocks of docs/integrations.md after the text ``after``, up to the next ## heading."""
-    text = GUIDE.read_text()
-    assert after in text, f"docs/integrations.md no longer has {after!r}"
-    section = text[text.index(after) :]
-    section = section[: section.find("\n## ", 1)] if "\n## " in section[1:] else section
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 class Engines:
@@ -104,7 +94,7 @@ def engines(tmp_path: Path) -> Iterator[Engines]:
 def test_litellm_router_example_prints_the_engines_answer(engines: Engines) -> None:
     litellm = pytest.importorskip("litellm")
     pytest.importorskip("tokenizers")
-    (code,) = python_blocks("### Python `litellm.Router`")
+    code = python_block("integrations.md", "### Python `litellm.Router`")
     from kvroute.integrations.litellm import KvrouteCallback
 
     scope = engines.scope()
@@ -148,7 +138,8 @@ def test_ray_serve_examples_serve_a_chat_through_kvroute(engines: Engines, which
     pytest.importorskip("ray.serve")
     from serve_app import ServeApp
 
-    build_app_code, pieces_code = python_blocks("## Ray Serve")[:2]
+    build_app_code = python_block("integrations.md", "## Ray Serve")
+    pieces_code = python_block("integrations.md", "`build_app` is a convenience")
     scope = engines.scope()
     # The pieces example continues the first: it uses its `engines` list.
     exec(compile(engines.fill(build_app_code), "docs/integrations.md", "exec"), scope)
