@@ -1,14 +1,21 @@
 //! One case of the race on AISimulate's engines: the same trace, engines and seed replayed with
 //! every placement named, one JSON line each (the summary `kvroute_aisim::Summary` computes for all).
 //!
-//! Placements: kvroute policies by name (`kvroute:capacity`, ...), `dynamo` (Dynamo 1.6.1's
-//! `KvRouterPlacement` with its default `KvRouterConfig`, through dynamo-mocker's offline replay),
-//! `round_robin` (AISimulate's), and `dynamo_round_robin` (dynamo-mocker's round robin: the check
-//! that both harnesses build the same engines).
+//! Placements:
+//! - `kvroute` (or `kvroute:POLICY`): kvroute's Router as `kvroute serve` builds it (its defaults,
+//!   the engines' block size), told only what a deployment knows (`--knowledge deployed`, the
+//!   default: KV pool, seats and PD link; speeds learned) or, as a labelled ablation, the
+//!   simulator's own timing (`--knowledge oracle`). `--router` sets any Router parameter by its name.
+//! - `dynamo`: Dynamo 1.6.1's `KvRouterPlacement` through dynamo-mocker's offline replay, with
+//!   `KvRouterConfig` from `--dynamo` (its fields as Dynamo's serde names them; default: Dynamo's).
+//! - `round_robin` (AISimulate's) and `dynamo_round_robin` (dynamo-mocker's): the check that both
+//!   harnesses build the same engines.
 //!
 //! ```text
-//! aisim-race --trace T.jsonl --workers 16 --speedup 4 --seed 0 --ttft-slo-ms 2000 --itl-slo-ms 50 \
-//!            --placements kvroute:capacity,dynamo,round_robin [--disagg 4,12] [--engine '{"num_gpu_blocks": 8192}']
+//! aisim-race --trace T.jsonl --workers 16 --speedup 4 --seed 0 --ttft-slo-ms 2000 --itl-slo-ms 200 \
+//!            --placements kvroute,dynamo,round_robin [--disagg 4,12] [--engine '{"num_gpu_blocks": 8192}'] \
+//!            [--router '{"reject": false}'] [--dynamo '{"overlap_score_credit": 2.0}'] [--max-tokens 4096] \
+//!            [--knowledge deployed|oracle] [--records]
 //! ```
 
 use std::path::PathBuf;
@@ -24,8 +31,12 @@ use dynamo_mocker::replay::{
     simulate_trace_file_disagg_with_router_mode_and_format, simulate_trace_file_with_router_mode_and_format, OfflineDisaggReplayConfig,
     ReplayRouterMode, SlaThresholds,
 };
-use kvroute_aisim::{load_trace, run, EngineModel, Placer, RequestRecord, RunSpec, Slo, Summary, Timing, Topology, TRACE_BLOCK_SIZE};
-use kvroute_core::{Router, RouterConfig};
+use kvroute_aisim::{
+    load_trace, run, EngineModel, Knowledge, Placer, RequestRecord, RunSpec, Slo, Summary, Timing, Topology, TRACE_BLOCK_SIZE,
+};
+use kvroute_core::router::params::{self, Value};
+use kvroute_core::router::{Preset, RouterConfig};
+use kvroute_core::Router;
 use serde_json::json;
 
 struct Args {
@@ -36,7 +47,11 @@ struct Args {
     slo: Slo,
     placements: Vec<String>,
     engine: EngineModel,
-    router: serde_json::Value,
+    router: serde_json::Map<String, serde_json::Value>,
+    dynamo: serde_json::Value,
+    knowledge: Knowledge,
+    max_tokens: Option<u64>,
+    records: bool,
 }
 
 fn args() -> Result<Args> {
@@ -46,12 +61,20 @@ fn args() -> Result<Args> {
         speedup: 1.0,
         seed: 0,
         slo: Slo::default(),
-        placements: vec!["kvroute:capacity".into(), "dynamo".into(), "round_robin".into()],
+        placements: vec!["kvroute".into(), "dynamo".into(), "round_robin".into()],
         engine: EngineModel::default(),
-        router: json!({}),
+        router: serde_json::Map::new(),
+        dynamo: json!({}),
+        knowledge: Knowledge::Deployed,
+        max_tokens: None,
+        records: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--records" {
+            a.records = true;
+            continue;
+        }
         let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--trace" => a.trace = val()?.into(),
@@ -67,7 +90,15 @@ fn args() -> Result<Args> {
             "--itl-slo-ms" => a.slo.itl_ms = Some(val()?.parse()?),
             "--placements" => a.placements = val()?.split(',').map(str::to_string).collect(),
             "--engine" => a.engine = serde_json::from_str(&val()?).context("--engine: a JSON EngineModel")?,
-            "--router" => a.router = serde_json::from_str(&val()?).context("--router: a JSON object of RouterConfig fields")?,
+            "--router" => {
+                let v: serde_json::Value = serde_json::from_str(&val()?).context("--router: JSON")?;
+                a.router = v.as_object().context("--router: a JSON object of Router parameters")?.clone();
+            }
+            "--dynamo" => a.dynamo = serde_json::from_str(&val()?).context("--dynamo: a JSON object of KvRouterConfig fields")?,
+            "--knowledge" => {
+                a.knowledge = serde_json::from_value(json!(val()?)).context("--knowledge: deployed or oracle")?;
+            }
+            "--max-tokens" => a.max_tokens = Some(val()?.parse()?),
             _ => bail!("unknown flag {flag}"),
         }
     }
@@ -77,35 +108,46 @@ fn args() -> Result<Args> {
     Ok(a)
 }
 
-fn router_config(a: &Args, policy: &str) -> Result<RouterConfig> {
-    let mut cfg = RouterConfig {
-        policy: policy.to_string(),
-        block_size: a.engine.block_size,
-        seed: a.seed,
+fn value(name: &str, v: &serde_json::Value) -> Result<Value> {
+    Ok(match v {
+        serde_json::Value::Null => Value::None,
+        serde_json::Value::Bool(b) => Value::Bool(*b),
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(i) => Value::Int(i as i128),
+            None => Value::Float(n.as_f64().context("a number")?),
+        },
+        serde_json::Value::String(s) => Value::Str(s.clone()),
+        _ => bail!("--router: {name} must be a bool, number, string or null"),
+    })
+}
+
+/// The Router `kvroute serve` builds with KV events (`Preset::Gateway`), set to the engines' block
+/// size, the cluster's PD link and the TTFT SLO; under `Knowledge::Oracle`, also the fit's decode
+/// step; then `policy` (when named) and `--router`'s parameters.
+fn router_config(a: &Args, policy: Option<&str>) -> Result<RouterConfig> {
+    let mut given: Vec<(String, Value)> = vec![
+        ("block_size".into(), Value::Int(a.engine.block_size as i128)),
+        ("seed".into(), Value::Int(a.seed as i128)),
         // The cluster's KV transfer, as AISimulate models it (kvroute_aisim::run checks this in PD).
-        kv_bytes_per_token: a.engine.kv_bytes_per_token as f64,
-        link_bytes_per_s: a.engine.kv_transfer_gb_s * 1e9,
-        link_latency_s: 0.0,
-        decode_step_s: a.engine.decode_step_s(),
-        ..Default::default()
-    };
+        ("kv_bytes_per_token".into(), Value::Float(a.engine.kv_bytes_per_token as f64)),
+        ("link_bytes_per_s".into(), Value::Float(a.engine.kv_transfer_gb_s * 1e9)),
+        ("link_latency_s".into(), Value::Float(0.0)),
+    ];
     if let Some(ms) = a.slo.ttft_ms {
-        cfg.ttft_slo = Some(ms / 1_000.0);
+        given.push(("ttft_slo".into(), Value::Float(ms / 1_000.0)));
     }
-    for (k, v) in a.router.as_object().context("--router must be a JSON object")? {
-        match (k.as_str(), v) {
-            ("reject", serde_json::Value::Bool(b)) => cfg.reject = *b,
-            ("ttft_slo", v) => cfg.ttft_slo = v.as_f64(),
-            ("cache_threshold", v) => cfg.cache_threshold = v.as_f64().context("cache_threshold: a number")?,
-            ("queue_weight", v) => cfg.queue_weight = v.as_f64().context("queue_weight: a number")?,
-            ("prefill_weight", v) => cfg.prefill_weight = v.as_f64().context("prefill_weight: a number")?,
-            ("balance_abs_threshold", v) => cfg.balance_abs_threshold = v.as_f64().context("a number")?,
-            ("balance_rel_threshold", v) => cfg.balance_rel_threshold = v.as_f64().context("a number")?,
-            ("token_share_bound", v) => cfg.token_share_bound = v.as_f64(),
-            _ => bail!("--router: unsupported field {k}"),
-        }
+    if a.knowledge == Knowledge::Oracle {
+        given.push(("decode_step_s".into(), Value::Float(a.engine.decode_step_s())));
+        given.push(("ttft_model".into(), Value::Str("configured".into())));
     }
-    Ok(cfg)
+    if let Some(p) = policy {
+        given.push(("policy".into(), Value::Str(p.into())));
+    }
+    for (k, v) in &a.router {
+        given.retain(|(name, _)| name != k);
+        given.push((k.clone(), value(k, v)?));
+    }
+    Ok(params::build(Preset::Gateway, given.iter().map(|(k, v)| (k.as_str(), v.clone())))?)
 }
 
 fn mocker_config(engine: &EngineModel) -> Result<MockerConfig> {
@@ -125,10 +167,16 @@ fn mocker_config(engine: &EngineModel) -> Result<MockerConfig> {
 
 fn dynamo(a: &Args, mode: ReplayRouterMode) -> Result<Vec<RequestRecord>> {
     let sla = SlaThresholds::default();
+    let kv_cfg = || -> Result<Option<KvRouterConfig>> {
+        if mode != ReplayRouterMode::KvRouter {
+            return Ok(None);
+        }
+        Ok(Some(serde_json::from_value(a.dynamo.clone()).context("--dynamo: KvRouterConfig fields")?))
+    };
     let report = match a.topology {
         Topology::Aggregated { workers } => simulate_trace_file_with_router_mode_and_format(
             mocker_config(&a.engine)?,
-            (mode == ReplayRouterMode::KvRouter).then(KvRouterConfig::default),
+            kv_cfg()?,
             None,
             &a.trace,
             TRACE_BLOCK_SIZE,
@@ -149,7 +197,7 @@ fn dynamo(a: &Args, mode: ReplayRouterMode) -> Result<Vec<RequestRecord>> {
             d.engine.engine.worker_type = aisimulate_core::engine::WorkerType::Decode;
             simulate_trace_file_disagg_with_router_mode_and_format(
                 OfflineDisaggReplayConfig { prefill_args: p, decode_args: d, num_prefill_workers: prefill, num_decode_workers: decode },
-                (mode == ReplayRouterMode::KvRouter).then(KvRouterConfig::default),
+                kv_cfg()?,
                 None,
                 &a.trace,
                 TRACE_BLOCK_SIZE,
@@ -171,25 +219,34 @@ fn dynamo(a: &Args, mode: ReplayRouterMode) -> Result<Vec<RequestRecord>> {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let spec = RunSpec::new(a.engine.clone(), a.topology, a.slo);
+    let mut spec = RunSpec::new(a.engine.clone(), a.topology, a.slo);
+    spec.knowledge = a.knowledge;
+    spec.max_tokens = a.max_tokens;
     for name in &a.placements {
         let start = Instant::now();
-        let records = match name.as_str() {
-            "dynamo" => dynamo(&a, ReplayRouterMode::KvRouter)?,
-            "dynamo_round_robin" => dynamo(&a, ReplayRouterMode::RoundRobin)?,
-            "round_robin" => run(&spec, Placer::RoundRobin, load_trace(&a.trace, a.speedup)?)?.records,
-            other => {
-                let policy = other.strip_prefix("kvroute:").with_context(|| format!("unknown placement {other}"))?;
-                let router = Arc::new(Router::new(router_config(&a, policy)?, None)?);
-                run(&spec, Placer::Kvroute(router), load_trace(&a.trace, a.speedup)?)?.records
-            }
+        let kvroute = |policy: Option<&str>| -> Result<_> {
+            let router = Arc::new(Router::new(router_config(&a, policy)?, None)?);
+            let r = run(&spec, Placer::Kvroute(router), load_trace(&a.trace, a.speedup)?)?;
+            Ok((r.records, json!({"speeds": r.speeds, "fit_prefill_tokens_per_s": r.fit_prefill_tokens_per_s})))
+        };
+        let (records, learned) = match name.as_str() {
+            "dynamo" => (dynamo(&a, ReplayRouterMode::KvRouter)?, json!(null)),
+            "dynamo_round_robin" => (dynamo(&a, ReplayRouterMode::RoundRobin)?, json!(null)),
+            "round_robin" => (run(&spec, Placer::RoundRobin, load_trace(&a.trace, a.speedup)?)?.records, json!(null)),
+            "kvroute" => kvroute(None)?,
+            other => kvroute(Some(other.strip_prefix("kvroute:").with_context(|| format!("unknown placement {other}"))?))?,
         };
         let wall_s = start.elapsed().as_secs_f64();
         let summary = Summary::of(&records, a.slo);
-        println!(
-            "{}",
-            json!({"placement": name, "topology": a.topology, "speedup": a.speedup, "seed": a.seed, "wall_s": wall_s, "summary": summary})
-        );
+        let mut line =
+            json!({"placement": name, "topology": a.topology, "speedup": a.speedup, "seed": a.seed, "wall_s": wall_s, "summary": summary});
+        if !learned.is_null() {
+            line["router"] = learned;
+        }
+        if a.records {
+            line["records"] = json!(records);
+        }
+        println!("{line}");
     }
     Ok(())
 }

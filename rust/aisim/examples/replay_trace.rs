@@ -1,13 +1,14 @@
 //! Replays a Mooncake-format trace on an aggregated AISimulate cluster with one placement:
 //! `cargo run --release -p kvroute-aisim --example replay_trace -- TRACE WORKERS SPEEDUP POLICY`
-//! (POLICY: a kvroute policy name, or round_robin). Prints the run's summary as JSON; TTFT SLO 2 s
+//! (POLICY: a kvroute policy name, or round_robin; the Router `kvroute serve` builds, told what a
+//! deployment knows, see `Knowledge`). Prints the run's summary as JSON; TTFT SLO 2 s
 //! (the Router's too), ITL SLO 200 ms. KVROUTE_REJECT=0: no early rejection; KVROUTE_DECODE=D: WORKERS
 //! prefill and D decode workers; KVROUTE_POLL_MS=off: no load polling; KVROUTE_RECORDS=FILE:
 //! the per-request records as JSON.
 
 use std::sync::Arc;
 
-use kvroute_aisim::{load_trace, run, EngineModel, Placer, RunSpec, Slo, Topology};
+use kvroute_aisim::{load_trace, run, EngineModel, Knowledge, Placer, RunSpec, Slo, Topology};
 use kvroute_core::router::{params, Preset};
 use kvroute_core::Router;
 
@@ -25,6 +26,9 @@ fn main() -> anyhow::Result<()> {
         slo: Slo { ttft_ms: Some(2_000.0), itl_ms: Some(200.0) },
         typical_prompt_tokens: std::env::var("KVROUTE_TYPICAL").ok().and_then(|v| v.parse().ok()),
         metrics_interval_ms: std::env::var("KVROUTE_POLL_MS").map_or(Some(1_000.0), |v| v.parse().ok()),
+        // What a deployment knows; its clients send max_tokens=4096.
+        knowledge: Knowledge::Deployed,
+        max_tokens: Some(4_096),
     };
     let trace = load_trace(std::path::Path::new(&a[1]), speedup)?;
     let placer = if a[4] == "round_robin" {
@@ -32,7 +36,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         let reject = std::env::var("KVROUTE_REJECT").map_or(true, |v| v != "0");
         let cfg = params::build(
-            Preset::Simulator,
+            Preset::Gateway,
             [
                 ("policy", a[4].as_str().into()),
                 ("block_size", spec.engine.block_size.into()),

@@ -74,6 +74,15 @@ pub struct Routed {
     pub admitted: bool,
 }
 
+/// The output length a request shows the Router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputShown {
+    /// The client's `max_tokens` (None: it sends none).
+    MaxTokens(Option<u64>),
+    /// The request's true output length (an oracle; `Knowledge::Oracle`).
+    True,
+}
+
 /// What one run's placements share: the Router, request ids, the PD pairs in flight, and what was
 /// decided for every request.
 pub struct Shared {
@@ -95,10 +104,11 @@ pub struct Shared {
     removals: Vec<u64>,
     /// Events that could not be applied, with why (a non-empty list fails the run at its end).
     pub event_errors: Vec<String>,
+    output: OutputShown,
 }
 
 impl Shared {
-    pub fn new(router: Arc<Router>, pd: bool, spec: WorkerSpec) -> Rc<RefCell<Shared>> {
+    pub fn new(router: Arc<Router>, pd: bool, spec: WorkerSpec, output: OutputShown) -> Rc<RefCell<Shared>> {
         let cfg = router.config();
         let (block_size, hash_seed) = (cfg.block_size, cfg.hash_seed);
         Rc::new(RefCell::new(Shared {
@@ -115,6 +125,7 @@ impl Shared {
             seqs: Vec::new(),
             removals: Vec::new(),
             event_errors: Vec::new(),
+            output,
         }))
     }
 
@@ -235,12 +246,15 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         let tokens = request.prompt_tokens();
         let rid = sh.next_id;
         sh.next_id += 1;
-        let out = request.metadata().effective_max_output_tokens() as u64;
+        let out = match sh.output {
+            OutputShown::MaxTokens(m) => m,
+            OutputShown::True => Some(request.metadata().effective_max_output_tokens() as u64),
+        };
         let d = sh.router.route(&RouteRequest {
             tokens: Some(&tokens),
             now: Some(secs(now_ms)),
             request_id: Some(rid),
-            output_tokens: Some(out),
+            output_tokens: out,
             ..Default::default()
         })?;
         sh.routed.insert(uuid, Routed { predicted_ttft: d.predicted_ttft, admitted: d.admitted });

@@ -20,7 +20,7 @@ use kvroute_core::{Router, RouterError, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineModel;
-use crate::placement::{KvEventObservation, KvroutePlacement, Routed, Shared, DECODE_BASE};
+use crate::placement::{KvEventObservation, KvroutePlacement, OutputShown, Routed, Shared, DECODE_BASE};
 use crate::summary::{RequestRecord, Slo, Summary};
 
 /// Tokens per `hash_ids` entry in Mooncake-format traces.
@@ -73,6 +73,31 @@ pub struct RunSpec {
     /// ms of simulated time: what a gateway's /metrics poller does. None: never.
     #[serde(default = "metrics_interval")]
     pub metrics_interval_ms: Option<f64>,
+    /// What the Router is told about the engines (see `Knowledge`).
+    #[serde(default)]
+    pub knowledge: Knowledge,
+    /// The `max_tokens` every client sends: the output length the Router is shown (it reserves
+    /// decode KV for it). The engines still generate each request's own `output_length`, which no
+    /// deployment knows in advance; None: the request sends none (the Router reserves no output).
+    /// Ignored under `Knowledge::Oracle`, which shows the true output length.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+}
+
+/// What the Router is told about the simulated engines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Knowledge {
+    /// What a deployment knows: each engine's KV pool (vLLM's `cache_config_info`) and seats
+    /// (`max_num_seqs`), and the PD link; not their speed. Workers register with `WorkerSpec`'s
+    /// default prefill speed (the prior) and no decode speed; a Router with the learned TTFT model
+    /// measures the rest from the prefills it sees finish. The Router's own `decode_step_s`.
+    #[default]
+    Deployed,
+    /// An ablation no deployment can run: the simulator's own timing fit, read at the trace's mean
+    /// prompt (`typical_prompt_tokens`), as each worker's prefill and decode speed, and each
+    /// request's true output length.
+    Oracle,
 }
 
 fn metrics_interval() -> Option<f64> {
@@ -114,7 +139,15 @@ impl ReplayTelemetryObserver for LoadPoller {
 impl RunSpec {
     /// A spec with the defaults for everything but the engines, topology and SLOs.
     pub fn new(engine: EngineModel, topology: Topology, slo: Slo) -> Self {
-        RunSpec { engine, topology, slo, typical_prompt_tokens: None, metrics_interval_ms: metrics_interval() }
+        RunSpec {
+            engine,
+            topology,
+            slo,
+            typical_prompt_tokens: None,
+            metrics_interval_ms: metrics_interval(),
+            knowledge: Knowledge::default(),
+            max_tokens: None,
+        }
     }
 }
 
@@ -135,6 +168,26 @@ pub struct RunResult {
     pub records: Vec<RequestRecord>,
     /// Wall-clock seconds the replay took.
     pub wall_s: f64,
+    /// kvroute placements: each prefill worker's speed as the Router ends the run with it.
+    #[serde(default)]
+    pub speeds: Vec<WorkerSpeed>,
+    /// The engines' prefill speed as the timing fit gives it at the trace's typical prompt (what
+    /// `Knowledge::Oracle` tells the Router), tokens per second: the reference a learned speed
+    /// is judged against.
+    #[serde(default)]
+    pub fit_prefill_tokens_per_s: Option<f64>,
+}
+
+/// One prefill worker's speed in the Router at the end of a run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WorkerSpeed {
+    pub worker: WorkerId,
+    /// Prefill tokens per second the Router predicts with: learned, or as registered.
+    pub prefill_tokens_per_s: f64,
+    /// The learned fixed part of a prefill, seconds (None: not fitted).
+    pub overhead_s: Option<f64>,
+    /// Finished prefills the fit has seen.
+    pub samples: u64,
 }
 
 /// Reads a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
@@ -239,6 +292,7 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
     ensure!(typical.is_finite() && typical >= 1.0, "typical_prompt_tokens must be a finite number >= 1, got {typical}");
     let driver = trace.into_trace_driver_with_block_size(block_size)?;
     let input = ReplayRuntimeInput::Workload(driver);
+    let mut speeds = Vec::new();
     let (report, routed, errors): (ReplayReport, hashbrown::HashMap<uuid::Uuid, Routed>, _) = match placer {
         Placer::RoundRobin => {
             let r = Replayer::new(spec(&spec_.engine, pools(spec_.topology, 0), false)?, factory(&spec_.engine))?
@@ -270,23 +324,37 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                     spec_.engine.kv_bytes_per_token
                 );
             }
-            let worker = WorkerSpec {
-                prefill_tokens_per_s: spec_.engine.prefill_tokens_per_s(typical),
+            let mut worker = WorkerSpec {
                 kv_capacity_blocks: Some(spec_.engine.num_gpu_blocks as u64),
                 prefix_cache_blocks: Some(spec_.engine.num_gpu_blocks as u64),
-                decode_tokens_per_s: spec_.engine.decode_tokens_per_s(typical),
                 max_running: Some(spec_.engine.max_num_seqs.min(u32::MAX as usize) as u32),
                 ..Default::default()
             };
-            let shared = Shared::new(router.clone(), pd, worker);
+            let output = match spec_.knowledge {
+                Knowledge::Deployed => OutputShown::MaxTokens(spec_.max_tokens),
+                Knowledge::Oracle => {
+                    worker.prefill_tokens_per_s = spec_.engine.prefill_tokens_per_s(typical);
+                    worker.decode_tokens_per_s = spec_.engine.decode_tokens_per_s(typical);
+                    OutputShown::True
+                }
+            };
+            let shared = Shared::new(router.clone(), pd, worker, output);
             let comp = KvrouteComposition { shared: shared.clone() };
             let mut replayer =
                 Replayer::with_composition(spec(&spec_.engine, pools(spec_.topology, 1), true)?, factory(&spec_.engine), comp)?
                     .with_runtime_input(input);
             if let Some(ms) = spec_.metrics_interval_ms {
-                replayer = replayer.with_telemetry_observer(ms, Box::new(LoadPoller { router, pd }))?;
+                replayer = replayer.with_telemetry_observer(ms, Box::new(LoadPoller { router: router.clone(), pd }))?;
             }
             let r = replayer.run()?;
+            for id in router.workers() {
+                let w = router.load(id)?;
+                if w.spec.role.prefills() {
+                    let f = &w.prefill_fit;
+                    let (prefill_tokens_per_s, overhead_s) = (w.prefill_speed(), f.fitted.map(|(a, _)| a));
+                    speeds.push(WorkerSpeed { worker: id, prefill_tokens_per_s, overhead_s, samples: f.samples() });
+                }
+            }
             let mut sh = shared.borrow_mut();
             (r, std::mem::take(&mut sh.routed), std::mem::take(&mut sh.event_errors))
         }
@@ -307,5 +375,6 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
         .collect();
     records.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
     let summary = Summary::of(&records, spec_.slo);
-    Ok(RunResult { summary, records, wall_s: start.elapsed().as_secs_f64() })
+    let fit_prefill_tokens_per_s = spec_.engine.fit().is_some().then(|| spec_.engine.prefill_tokens_per_s(typical));
+    Ok(RunResult { summary, records, wall_s: start.elapsed().as_secs_f64(), speeds, fit_prefill_tokens_per_s })
 }
