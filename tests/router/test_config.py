@@ -63,9 +63,9 @@ def test_presets_change_only_what_they_say():
     diff = {p: {k: v for k, v in t.items() if sim[k] != v} for p, t in table.items()}
     assert diff == {
         "simulator": {},
-        "gateway": {"block_size": 16},
-        "gateway_approx": {"pending_prefixes": False, "stale_overlaps": False},
-        "host_router": {"block_size": 16, "token_share_bound": 1.25},
+        "gateway": {"block_size": 16, "ttft_model": "learned"},
+        "gateway_approx": {"pending_prefixes": False, "stale_overlaps": False, "ttft_model": "learned"},
+        "host_router": {"block_size": 16, "token_share_bound": 1.25, "ttft_model": "learned"},
     }
     r = kvroute.Router(preset="host_router", block_size=32)
     assert (r.config["block_size"], r.config["token_share_bound"]) == (32, 1.25)

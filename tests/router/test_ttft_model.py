@@ -54,7 +54,8 @@ def test_simulator_engines_teach_the_router_their_speed() -> None:
     # worker's fit is the engines' exact speed (FIFO: service time = tokens / speed), most of the
     # loss is recovered, and what remains was decided before the fit (its first 16 prefills per
     # worker) and by where those requests' sessions then stayed. Told the truth, learned and
-    # configured make the same run.
+    # configured differ only in those first prefills: a learned Router does not reject before it
+    # has measured the worker (its registered speed is a guess), and the configured one does.
     cl = ClusterConfig(
         instances=2, speed=5000, cache_blocks=1000, slo=5.0, decode_instances=2, decode_kv_blocks=4000, decode_tokens_per_s=4000.0
     )
@@ -83,4 +84,6 @@ def test_simulator_engines_teach_the_router_their_speed() -> None:
     assert wrong.attainment < truth.attainment - 0.05, (wrong.attainment, truth.attainment)
     assert learned.attainment > wrong.attainment + 0.05, (learned.attainment, wrong.attainment)
     told_truth = simulate(w, "slack", reject=True, cluster=cl, progress=False, router_factory=told(5000.0), router_options=learned_opt)
-    assert (told_truth.attainment, told_truth.ttft_p50) == (truth.attainment, truth.ttft_p50)
+    assert abs(told_truth.attainment - truth.attainment) <= 0.02, (told_truth.attainment, truth.attainment)
+    early = 2 * 16  # the first MIN_SAMPLES prefills of each of the 2 workers
+    assert told_truth.rejected <= truth.rejected and (truth.rejected - told_truth.rejected) * len(w.arrival) <= early

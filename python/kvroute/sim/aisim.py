@@ -156,18 +156,33 @@ def engine_caps(engine: EngineModel, isl: float, osl: float, *, itl_slo: float |
     return EngineCaps(p_cap=p_cap, p_pass_s=p_pass, d_slots=slots, d_step_s=step_at(slots) / 1000.0)
 
 
-def router_for(engine: EngineModel, *, policy: str | None = None, ttft_slo: float | None = 2.0, **options: Any) -> Router:
-    """A fresh `Router` that sees the cluster as the engine model builds it: the engines' block
-    size, decode step and (for disaggregated runs) KV transfer, plus ``policy``, ``ttft_slo``
-    (seconds) and any other `Router` option."""
+#: What the Router is told about the simulated engines (`replay`'s and `router_for`'s ``knowledge``):
+#: "deployed", what a deployment knows (KV pool, seats, PD link; prefill speed learned from the
+#: prefills it sees finish, as `kvroute serve` does), or "oracle", the simulator's own timing fit
+#: and each request's true output length (an ablation no deployment can run).
+Knowledge = Literal["deployed", "oracle"]
+
+
+def router_for(
+    engine: EngineModel, *, policy: str | None = None, ttft_slo: float | None = 2.0, knowledge: Knowledge = "deployed", **options: Any
+) -> Router:
+    """A fresh `Router` for a `replay` on ``engine``s with the same ``knowledge``: deployed, the
+    Router `kvroute serve` builds (its "gateway" preset: prefill speed learned) at the engines'
+    block size and KV transfer; oracle, the simulator preset told the engines' decode step as well.
+    Plus ``policy``, ``ttft_slo`` (seconds) and any other `Router` option."""
     kw: dict[str, Any] = dict(
         block_size=engine.block_size,
-        decode_step_s=_decode_ms(engine, 0.0) / 1000.0,
         kv_bytes_per_token=float(engine.kv_bytes_per_token),
         link_bytes_per_s=engine.kv_transfer_gb_s * 1e9,
         link_latency_s=0.0,
         ttft_slo=ttft_slo,
     )
+    if knowledge == "oracle":
+        kw["decode_step_s"] = _decode_ms(engine, 0.0) / 1000.0
+    elif knowledge == "deployed":
+        kw["preset"] = "gateway"
+    else:
+        raise ValueError(f"knowledge must be 'deployed' or 'oracle', got {knowledge!r}")
     if policy is not None:
         kw["policy"] = policy
     kw.update(options)
@@ -186,10 +201,18 @@ def replay(
     itl_slo: float | None = 0.2,
     speedup: float = 1.0,
     trace_block_size: int = 512,
+    knowledge: Knowledge = "deployed",
+    max_tokens: int | None = None,
 ) -> AisimResult:
     """Replays a Mooncake-format ``trace`` (a path, or its rows) on ``workers`` unified engines (or
     ``prefill`` + ``decode`` disaggregated ones), placed by ``router`` (a fresh `Router`, which the
-    run registers the workers with) or by round robin when ``router`` is None. SLOs in seconds."""
+    run registers the workers with; build it with `router_for` and the same ``knowledge``) or by
+    round robin when ``router`` is None. SLOs in seconds. ``max_tokens``: what every client sends
+    as its max_tokens, the output length a deployed Router sees (None: none)."""
+    if knowledge not in ("deployed", "oracle"):
+        raise ValueError(f"knowledge must be 'deployed' or 'oracle', got {knowledge!r}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
     if not HAS_AISIM:
         raise RuntimeError(
             "this kvroute build has no realistic engine model; rebuild with the aisim feature: "
@@ -211,6 +234,8 @@ def replay(
         "engine": engine.to_json(),
         "topology": topology,
         "slo": {"ttft_ms": None if ttft_slo is None else ttft_slo * 1000, "itl_ms": None if itl_slo is None else itl_slo * 1000},
+        "knowledge": knowledge,
+        "max_tokens": max_tokens,
     }
     kw: dict[str, Any] = {"router": router, "speedup": float(speedup)}
     if isinstance(trace, (str, os.PathLike)):

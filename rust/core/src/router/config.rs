@@ -110,8 +110,8 @@ pub struct RouterConfig {
     pub decode: DecodeConfig,
     pub pd: PdConfig,
     pub cache_view: CacheViewConfig,
-    /// Where predicted TTFT comes from (default: the registered speeds; see `TtftModel::Learned`
-    /// and docs/router.md for why learning is not the default yet).
+    /// Where predicted TTFT comes from: the registered speeds in the simulator preset (its engines
+    /// run at them), learned in the presets a deployment runs (`Preset`), where nobody knows them.
     pub ttft_model: TtftModel,
     /// Bounded token share (`share.rs`): a worker whose prompt tokens routed over the load window
     /// have reached this many times the prefill workers' mean (this request counted), and lead it
@@ -281,7 +281,9 @@ impl Default for CacheViewConfig {
 }
 
 /// Where a Router runs, when that changes what a good default is. Each preset is the "simulator"
-/// defaults with the few values its entry point needs changed, and says why.
+/// defaults with the few values its entry point needs changed, and says why. Every preset but the
+/// simulator's learns the engines' prefill speed (`TtftModel::Learned`): a deployment is not told it,
+/// and a registered guess (`WorkerSpec`'s default) would decide queueing and rejections wrongly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
     /// The simulator (and `Router()`): 64-token blocks, the seed's; no token-share bound.
@@ -346,6 +348,9 @@ impl RouterConfig {
     /// The defaults for an entry point (see `Preset`).
     pub fn preset(preset: Preset) -> Self {
         let mut c = RouterConfig::default();
+        if preset != Preset::Simulator {
+            c.ttft_model = TtftModel::Learned;
+        }
         match preset {
             Preset::Simulator => {}
             Preset::Gateway => c.block_size = 16,

@@ -5,7 +5,9 @@ use hashbrown::HashMap;
 
 use super::decode_worker::{self, choose_decode, DecodeChoice};
 use super::policy::{admission_ttft, pick_min, Ctx};
-use super::{decay_since, share, stale, InFlight, Path, Reason, Role, RouteRequest, Router, RouterConfig, RouterError, State, WorkerLoad};
+use super::{
+    decay_since, share, stale, InFlight, Path, Reason, Role, RouteRequest, Router, RouterConfig, RouterError, State, TtftModel, WorkerLoad,
+};
 use super::{Candidate, Decision, WorkerBreakdown};
 use crate::index::{Matches, WorkerId};
 
@@ -384,7 +386,10 @@ impl Router {
             let adm = |c: &Candidate| admission_ttft(c, f);
             if adm(&cands[i]) > slo {
                 let best = pick_min(&mut ctx, cands, |_| true, |c| (adm(c), c.predicted_ttft)).expect("non-empty");
-                if adm(&cands[best]) > slo {
+                // A learned TTFT model rejects only on a worker whose speed it has measured: the
+                // prior is a guess, and a guess must not turn requests away.
+                let trusted = cfg.ttft_model != TtftModel::Learned || st.workers[st.pos[&cands[best].worker]].prefill_fit.fitted.is_some();
+                if adm(&cands[best]) > slo && trusted {
                     let c = cands[best];
                     let dw = decode.at.map(|d| st.workers[d].id);
                     return Chosen::Rejected(self.rejection(c, dw, Reason::RejectedTtft, decode.tpot, num_tokens, ask.req, &st.cands));

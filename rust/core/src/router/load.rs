@@ -95,8 +95,10 @@ impl PrefillFit {
         // A slope needs spread in x (1% of its mean), a positive covariance and evidence (its
         // t statistic at least MIN_SLOPE_T); a line whose intercept comes out negative is refitted
         // through the origin (least squares with the overhead held at 0). Without evidence the
-        // configured slope stays (the samples cannot tell it wrong) and the intercept takes the
-        // rest of the mean, if any.
+        // configured slope stays and the intercept takes the rest of the mean, when there is a
+        // rest; when the configured slope alone predicts more than was measured, the engine is
+        // faster than it says, and the samples are all work: the slope through the origin. (Same-
+        // length prompts give no spread at all; keeping the prior there kept its error for good.)
         if vxx > (0.01 * mx).powi(2) && vxx > 0.0 && cxy > 0.0 {
             let b = cxy / vxx;
             let vyy = self.syy / self.weight - my * my;
@@ -108,7 +110,12 @@ impl PrefillFit {
                 return if a >= 0.0 { (a, b) } else { (0.0, self.sxy / self.sxx) };
             }
         }
-        ((my - prior_spt * mx).max(0.0), prior_spt)
+        let rest = my - prior_spt * mx;
+        if rest >= 0.0 || self.sxx <= 0.0 {
+            (rest.max(0.0), prior_spt)
+        } else {
+            (0.0, self.sxy / self.sxx)
+        }
     }
 
     /// Measurements taken so far.

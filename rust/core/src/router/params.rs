@@ -524,7 +524,7 @@ mod tests {
         let sim = RouterConfig::preset(Preset::Simulator);
         assert_eq!(sim, RouterConfig::default());
         let host = RouterConfig::preset(Preset::HostRouter);
-        assert_eq!((host.block_size, host.token_share_bound), (16, Some(1.25)));
-        assert_eq!(RouterConfig { block_size: 64, token_share_bound: None, ..host }, sim);
+        assert_eq!((host.block_size, host.token_share_bound, host.ttft_model), (16, Some(1.25), TtftModel::Learned));
+        assert_eq!(RouterConfig { block_size: 64, token_share_bound: None, ttft_model: TtftModel::Configured, ..host }, sim);
     }
 }
