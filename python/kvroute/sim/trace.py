@@ -35,7 +35,18 @@ def find_shared_dir(start: str | os.PathLike[str]) -> str | None:
         d = os.path.dirname(d)
 
 
-__all__ = ["MOONCAKE_BLOCK", "SHAPES", "load_trace", "phase_trace", "records_to_workload", "synthetic_trace", "write_trace"]
+__all__ = [
+    "AGENT_FAMILIES",
+    "MOONCAKE_BLOCK",
+    "SHAPES",
+    "agentic_trace",
+    "load_trace",
+    "phase_trace",
+    "records_to_workload",
+    "synthetic_trace",
+    "trace_stats",
+    "write_trace",
+]
 
 #: Tokens per hash id in Mooncake's released traces.
 MOONCAKE_BLOCK = 512
@@ -304,3 +315,218 @@ def phase_trace(
         ids = list(range(shared)) + list(range(fresh, fresh + blocks - shared))
         fresh += blocks - shared
         out.append({"timestamp": int(t * 1000), "input_length": isl, "output_length": osl, "hash_ids": ids})
+
+
+# ---- closed-loop agentic traces --------------------------------------------------------------
+
+#: Agentic / tool-use workload families for `agentic_trace`: name -> parameters. Ranges are
+#: inclusive; token counts are tokens, ``*_blocks`` count Mooncake's 512-token blocks (the same
+#: workload whatever ``block_size`` the hash ids use); times are seconds.
+#:
+#: ``agent_types`` agents, picked per session with Zipf(``zipf``) weights; each has a fixed
+#: system + tool-definition prefix of ``prefix_blocks`` blocks (drawn once per trace). A session
+#: opens on its agent's prefix plus a ``task`` and runs ``steps`` model calls; between calls the
+#: agent runs its tools for ``think_mean`` seconds on average (exponential, clipped to ``think``),
+#: and the next prompt is the previous one plus the model's answer plus ``append_blocks`` of tool
+#: output. ``output`` is the tokens the model writes per call; ``fork`` the chance that a new
+#: session is a sub-agent forked from a session still running (it starts from that session's whole
+#: context); ``max_tokens`` the context cap at which a session ends.
+AGENT_FAMILIES: dict[str, dict[str, Any]] = {
+    # Tool-calling assistants (coding / ops agents): a handful of agent types, a few very popular,
+    # each with a long system prompt and tool schemas; 3-12 tool calls per task, each returning a
+    # few blocks (file contents, command output), a human-scale pause for the tools to run.
+    "tools": dict(
+        agent_types=6,
+        zipf=1.0,
+        prefix_blocks=(16, 48),
+        task=(100, 1000),
+        steps=(3, 12),
+        append_blocks=(1, 6),
+        think_mean=4.0,
+        think=(0.2, 30.0),
+        output=(20, 400),
+        fork=0.0,
+        max_tokens=65536,
+    ),
+    # A swarm of many small, cheap agents (multi-agent frameworks, simulations): 32 near-equally
+    # popular types with short prompts, long chatty loops of 10-40 steps with fast tools and small
+    # observations, so many short requests per session arrive back to back.
+    "swarm": dict(
+        agent_types=32,
+        zipf=0.3,
+        prefix_blocks=(4, 8),
+        task=(50, 300),
+        steps=(10, 40),
+        append_blocks=(0, 2),
+        think_mean=0.8,
+        think=(0.05, 10.0),
+        output=(50, 300),
+        fork=0.0,
+        max_tokens=65536,
+    ),
+    # Deep-research agents: two agent types, one dominant; slow web fetches returning whole pages,
+    # long reasoning outputs, and sub-agents: half the sessions fork from a research session still
+    # running and carry its whole context, so sessions share long session-specific prefixes.
+    "research": dict(
+        agent_types=2,
+        zipf=2.0,
+        prefix_blocks=(24, 40),
+        task=(200, 1500),
+        steps=(2, 6),
+        append_blocks=(4, 16),
+        think_mean=12.0,
+        think=(1.0, 120.0),
+        output=(200, 1500),
+        fork=0.5,
+        max_tokens=65536,
+    ),
+}
+
+# A rough service time per model call (ms per output token, plus a fixed part), used only to guess
+# how far a parent session has got when a sub-agent forks from it; the replay's timing decides.
+_EST_DECODE_MS = 20.0
+_EST_CALL_MS = 100.0
+
+
+def agentic_trace(family: str, *, sessions: int, rate: float, seed: int = 0, block_size: int = MOONCAKE_BLOCK) -> list[dict[str, Any]]:
+    """Generates a closed-loop agentic trace of ``sessions`` sessions of ``family`` (see
+    `AGENT_FAMILIES`) in AISimulate's session form of the Mooncake format.
+
+    Sessions start as a Poisson process at ``rate`` per second: a session's first row carries
+    ``timestamp`` (ms). Each later row is the session's next model call and carries ``delay``
+    instead (ms the agent's tools take after the previous call *completes*), so the replay
+    releases it then: agents wait for the model. Rows carry ``session_id`` (a string),
+    ``input_length``, ``output_length``, prefix-chained ``hash_ids`` of ``block_size``-token
+    blocks (a step's ids extend the previous step's full-block ids; a partial last block gets a
+    fresh id each time), and ``agent`` (the agent type; the loaders ignore it). Rows are grouped by
+    session in order of first arrival, turns in order.
+
+    Replay these with `kvroute.sim.aisim.replay`; kvroute's open-loop `records_to_workload` needs
+    a timestamp on every row and refuses them.
+    """
+    if family not in AGENT_FAMILIES:
+        raise ValueError(f"unknown agentic family {family!r}; expected one of {', '.join(AGENT_FAMILIES)}")
+    if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1:
+        raise ValueError(f"sessions must be an int >= 1, got {sessions!r}")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number of sessions per second > 0, got {rate!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    p = AGENT_FAMILIES[family]
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh() -> int:
+        nonlocal next_id
+        next_id += 1
+        return next_id - 1
+
+    def tokens_of(blocks: tuple[int, int]) -> int:
+        return rng.randint(blocks[0] * MOONCAKE_BLOCK, blocks[1] * MOONCAKE_BLOCK)
+
+    def think_ms() -> int:
+        lo, hi = p["think"]
+        return int(min(max(rng.expovariate(1.0 / p["think_mean"]), lo), hi) * 1000)
+
+    # Each agent type's prefix, in whole hash blocks so that sessions of a type share all of it.
+    prefixes = [[fresh() for _ in range(rng.randint(*p["prefix_blocks"]) * MOONCAKE_BLOCK // block_size)] for _ in range(p["agent_types"])]
+    weights = [1.0 / (k + 1) ** p["zipf"] for k in range(p["agent_types"])]
+    cap = p["max_tokens"]
+    # Per session: its full-block ids (they only grow) and, per turn, (estimated release ms,
+    # input tokens, full blocks, output tokens) -- for sub-agents to fork from.
+    ids_of: list[list[int]] = []
+    turns_of: list[list[tuple[float, int, int, int]]] = []
+    end_of: list[float] = []
+    agent_of: list[int] = []
+    running: list[int] = []  # sessions still running (by the estimate) at the latest arrival
+    out: list[dict[str, Any]] = []
+    t = 0.0
+    for s in range(sessions):
+        t += rng.expovariate(rate)
+        now = t * 1000.0
+        running = [r for r in running if end_of[r] >= now]
+        task = rng.randint(*p["task"])
+        parent = None
+        if p["fork"] and rng.random() < p["fork"]:
+            # The parent's state now: its last call released by the estimate, plus its answer.
+            fits = []
+            for r in running:
+                last = [x for x in turns_of[r] if x[0] <= now][-1]
+                if last[1] + last[3] + task <= cap:
+                    fits.append((r, last))
+            if fits:
+                parent = fits[rng.randrange(len(fits))]
+        if parent is not None:
+            (r, (_, ptokens, pfull, pout)) = parent
+            agent = agent_of[r]
+            ids = list(ids_of[r][:pfull])
+            tokens = ptokens + pout + task
+        else:
+            agent = rng.choices(range(p["agent_types"]), weights=weights)[0]
+            ids = list(prefixes[agent])
+            tokens = len(ids) * block_size + task
+        agent_of.append(agent)
+        sid = f"{family}-{s}"
+        turns: list[tuple[float, int, int, int]] = []
+        release = now
+        for step in range(rng.randint(*p["steps"])):
+            row: dict[str, Any] = {"session_id": sid}
+            if step == 0:
+                row["timestamp"] = int(now)
+            else:
+                prev = turns[-1]
+                grown = prev[1] + prev[3] + tokens_of(p["append_blocks"])
+                delay = think_ms()
+                if grown > cap:
+                    break  # the context is full: the agent gives up (no restart)
+                tokens = grown
+                release += _EST_CALL_MS + _EST_DECODE_MS * prev[3] + delay
+                row["delay"] = delay
+            while len(ids) < tokens // block_size:
+                ids.append(fresh())
+            output = rng.randint(*p["output"])
+            turns.append((release, tokens, len(ids), output))
+            row.update(
+                input_length=tokens,
+                output_length=output,
+                hash_ids=ids + ([fresh()] if tokens % block_size else []),
+                agent=agent,
+            )
+            out.append(row)
+        ids_of.append(ids)
+        turns_of.append(turns)
+        end_of.append(release + _EST_CALL_MS + _EST_DECODE_MS * turns[-1][3])
+        running.append(s)
+    return out
+
+
+def trace_stats(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Summary of a Mooncake-format trace (open-loop or session form): rows, sessions (rows
+    without ``session_id`` are one-row sessions), mean steps per session, mean prompt and output
+    tokens, mean ``delay`` (ms, over the rows that have one), ``cross_session_share`` (the share of
+    prompt blocks whose hash id also occurs in another session's prompts) and ``reuse_share`` (the
+    share of prompt blocks seen earlier in the trace: an unbounded prefix cache's hit rate)."""
+    rows = list(rows)
+    sessions_of: dict[int, set[str]] = {}
+    sessions: dict[str, int] = {}
+    delays: list[float] = []
+    for i, r in enumerate(rows):
+        sid = str(r["session_id"]) if r.get("session_id") is not None else f"\0row-{i}"
+        sessions[sid] = sessions.get(sid, 0) + 1
+        if r.get("delay") is not None:
+            delays.append(float(r["delay"]))
+        for h in r["hash_ids"]:
+            sessions_of.setdefault(h, set()).add(sid)
+    blocks = sum(len(r["hash_ids"]) for r in rows)
+    shared = sum(1 for r in rows for h in r["hash_ids"] if len(sessions_of[h]) > 1)
+    n = max(len(rows), 1)
+    return {
+        "rows": len(rows),
+        "sessions": len(sessions),
+        "mean_steps": len(rows) / max(len(sessions), 1),
+        "mean_prompt_tokens": sum(r["input_length"] for r in rows) / n,
+        "mean_output_tokens": sum(r.get("output_length", 0) for r in rows) / n,
+        "mean_delay_ms": sum(delays) / len(delays) if delays else 0.0,
+        "cross_session_share": shared / blocks if blocks else 0.0,
+        "reuse_share": 1.0 - len(sessions_of) / blocks if blocks else 0.0,
+    }
