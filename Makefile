@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CRATES := -p kvroute-core -p kvroute-dataplane -p kvroute-aisim
 
-.PHONY: dev build test test-rust test-python test-aisim lint docs fmt bench bench-peers e2e ci readme-test
+.PHONY: dev build test test-rust test-python test-aisim lint docs fmt bench bench-peers races e2e ci readme-test
 dev:
 	python3 -m venv $(VENV) && $(PIP) install -q maturin ".[test,lint]"
 	VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin develop --release --features aisim
@@ -49,6 +49,13 @@ e2e:
 	# bed has; a process of their own, because LiteLLM keeps global state (callbacks, its logging worker) that the
 	# e2e LiteLLM tests leave behind.
 	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py tests/docs/test_integrations_guide.py
+# The benchmark harnesses with workspaces of their own under benches/ (Dynamo's crates are their peers, never
+# the wheel's): each builds and runs a quick case. The AISimulate race reruns one case of the committed suite
+# and fails when its figures moved (the README renders that suite), and checks the two harnesses' round robin
+# request for request.
+races:
+	$(PY) benches/bench_aisim.py --check
+	$(PY) benches/index_race.py --quick --out .ci/index_race_quick.json
 # The README's test command, verbatim, in a fresh virtualenv (keep identical to the README's second set-up command).
 readme-test:
 	rm -rf $(VENV) && python3 -m venv $(VENV)
@@ -58,4 +65,5 @@ ci: test-rust readme-test test-aisim
 	$(PIP) install -q ruff mypy
 	$(MAKE) lint
 	$(MAKE) docs
+	$(MAKE) races
 	$(MAKE) e2e

@@ -1,22 +1,32 @@
-"""The cluster-scale suite on AISimulate's engines: kvroute's Router against Dynamo 1.6's KV router
-(`KvRouterPlacement`, default `KvRouterConfig`) and round robin, same engines, traces and seeds,
-one process per case (benches/aisim_race).
+"""The race on AISimulate's engines: kvroute's Router as deployed against Dynamo 1.6's KV router,
+tuned on the same tuning half, and round robin; same engines, traces and seeds, one process per run
+(benches/aisim_race).
 
-Cases (fixed before any result was seen; the split is by case):
-- conversation: Mooncake's conversation trace (../shared/traces; skipped where absent), 8, 16 and
-  32 workers, and 4P12D disaggregated; each seed is one third of the trace (requests by arrival).
-- agent: `synthetic_trace("agent")` (tool-use sessions: long shared tool prefixes, bursts of turns).
-- long: `synthetic_trace("long_rag")` (10-24k-token documents, short questions).
-Loads are arrival speed-ups (conversation) or rates (generated) scaled with the cluster, from
-comfortable to overloaded. Tuning half: agent, and conversation at 16 workers; held-out: the rest.
+Workload families, fixed before any result was seen; the split is by family, so no held-out family
+chose a constant of either router:
+- tuning: `agent` (kvroute.sim.synthetic_trace: open-loop agent bursts over 4 long tool prefixes) and
+  the first third of Mooncake's conversation trace (../shared/traces; skipped where absent).
+- held out: the conversation trace's other two thirds; the closed-loop agentic families `tools`,
+  `swarm` and `research` (kvroute.sim.agentic_trace: how sessions share prefixes, how long they run,
+  think times and agent-type skew differ); long-context retrieval `long_rag`.
+Topologies: 8 and 16 unified workers, and 4P12D for the conversation trace. Loads are chosen where
+KV-aware placements differ (see LOADS).
 
-Placements per case: kvroute's default policy with early rejection (as it ships), the same without
-rejection (latency compared on every request), Dynamo's KV router, round robin.
+Placements per case, none with admission (the primary comparison):
+- `kvroute`: as deployed: `kvroute serve`'s defaults, told only what a deployment knows (KV pool,
+  seats, PD link), prefill speed learned from the prefills it sees finish; clients send
+  max_tokens=4096, never the true output length; early rejection off.
+- `dynamo`: Dynamo's KvRouterConfig as tuned on the tuning half (`--tune-dynamo`, recorded in
+  results/aisim_dynamo_tuning.json), shedding and queueing off.
+- `round_robin`.
+- `kvroute (told the fit)`: an ablation no deployment can run: the simulator's own timing fit and
+  the true output lengths.
 SLOs: TTFT <= 2 s and mean ITL <= 200 ms (MLPerf Inference's Llama-2-70B server scenario).
 
-    python benches/bench_aisim.py                 # the suite, ~25 min on 2 cores
-    python benches/bench_aisim.py --quick         # one seed, conversation and agent only
-    python benches/bench_aisim.py --out benches/results/aisim_suite.json
+    python benches/bench_aisim.py                 # the suite (~20 min on 2 cores)
+    python benches/bench_aisim.py --quick         # one seed, 8 workers
+    python benches/bench_aisim.py --tune-dynamo   # sweep Dynamo's knobs on the tuning half
+    python benches/bench_aisim.py --check         # CI: rerun one committed case; exit 1 if it moved
     python benches/bench_aisim.py --speed         # the whole conversation trace, 16 workers: wall time
 
 Writes a results file (command, commit, machine, date, every run's summary); render it with
@@ -26,10 +36,9 @@ Writes a results file (command, commit, machine, date, every run's summary); ren
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,143 +49,292 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)
+import results_file  # noqa: E402
 
 RACE_DIR = os.path.join(HERE, "aisim_race")
 RACE_BIN = os.path.join(RACE_DIR, "target", "release", "aisim-race")
+RESULTS = os.path.join(HERE, "results")
+SUITE_OUT = os.path.join(RESULTS, "aisim_suite.json")
+TUNING_OUT = os.path.join(RESULTS, "aisim_dynamo_tuning.json")
 TTFT_SLO_MS = 2000.0
 ITL_SLO_MS = 200.0
-SEEDS = 3
+#: Seeds per case: generator seeds, or the conversation trace's held-out thirds (it has 3 thirds;
+#: the first is tuning data).
+SEEDS = 2
+#: The max_tokens every client sends (above every output length of these traces).
+MAX_TOKENS = 4096
+#: Closed-loop agentic traces: new sessions arrive for this long (sessions = rate x window), so the
+#: cluster reaches the steady state of that rate instead of draining a short burst.
+SESSION_WINDOW_S = 240.0
+#: Requests per open-loop generated trace.
+REQUESTS = 3000
+
+#: Per family: (split, loads per 8 workers). Conversation loads are arrival speed-ups of the trace
+#: (3.4 req/s whole); agentic loads are new sessions per second; the others requests per second.
+#: Chosen where the placements differ: a calibration at 8 workers (seed 0, kvroute with the
+#: registered prior, Dynamo's defaults, round robin) raised each family's load by 1.5x until round
+#: robin served under half and a KV-aware router under 90%; the two loads below are where round
+#: robin had fallen behind and the KV-aware routers had not yet all collapsed (loads where every
+#: router served 99%+ separate nothing and were dropped).
+LOADS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "conversation": ("held-out", (6.0, 7.5)),
+    "agent": ("tuning", (20.0, 27.0)),
+    "tools": ("held-out", (7.5, 9.0)),
+    "swarm": ("held-out", (4.5, 5.5)),
+    "research": ("held-out", (3.75, 4.5)),
+    "long_rag": ("held-out", (30.0, 36.0)),
+}
 
 
 @dataclass(frozen=True)
 class Case:
-    trace: str  # conversation | agent | long
+    family: str
     topology: tuple[int, int]  # (workers, 0) aggregated, or (prefill, decode)
-    load: float  # speed-up (conversation) or req/s (generated)
+    load: float  # speed-up (conversation), sessions/s (agentic) or req/s
     split: str
 
     @property
     def name(self) -> str:
         w, d = self.topology
         where = f"{w}P{d}D" if d else f"{w}w"
-        unit = "x" if self.trace == "conversation" else "/s"
-        return f"{self.trace} {where} {self.load:g}{unit}"
+        unit = "x" if self.family == "conversation" else "/s"
+        return f"{self.family} {where} {self.load:g}{unit}"
+
+    def seeds(self, n: int) -> list[int]:
+        """The seeds this case runs: the conversation trace's thirds (the first is the tuning half's),
+        or generator seeds."""
+        if self.family == "conversation":
+            return [0] if self.split == "tuning" else [1, 2][:n]
+        return list(range(n))
 
 
 def cases(quick: bool) -> list[Case]:
     out = []
-    # Conversation: its full-trace rate is 3.4 req/s; per 8 workers x3 is comfortable, x6 high, x9 overloaded.
-    for workers in (8, 16, 32):
-        split = "tuning" if workers == 16 else "held-out"
-        for k in (3, 6, 9):
-            out.append(Case("conversation", (workers, 0), k * workers / 8, split))
-    for k in (3, 6, 9):
-        out.append(Case("conversation", (4, 12), k * 4 / 8, "held-out"))
-    # Generated: rates per 8 workers from comfortable to overloaded.
-    for trace, rates, split in (("agent", (4, 8, 12), "tuning"), ("long", (12, 24, 36), "held-out")):
-        for workers in (8, 16, 32):
-            for r in rates:
-                out.append(Case(trace, (workers, 0), r * workers / 8, split))
+    for family, (split, loads) in LOADS.items():
+        topologies: list[tuple[int, int]] = [(8, 0), (16, 0)] + ([(4, 12)] if family == "conversation" else [])
+        for topo in topologies:
+            scale = (topo[0] if topo[1] == 0 else topo[0] * 2) / 8  # 4P12D: as 8 workers' prefill
+            for load in loads:
+                # The conversation trace's first third is tuning data wherever it runs.
+                for s in ("tuning", split) if family == "conversation" else (split,):
+                    out.append(Case(family, topo, load * scale, s))
     if quick:
-        out = [c for c in out if c.topology in ((8, 0), (4, 12)) and c.trace in ("conversation", "agent")]
+        out = [c for c in out if c.topology == (8, 0)]
     return out
 
 
-def conversation_path() -> str | None:
+def conversation_rows() -> list[dict[str, Any]] | None:
     from kvroute.sim.suite import mooncake_path
     from kvroute.sim.trace import find_shared_dir
 
-    return mooncake_path(find_shared_dir(ROOT))
+    path = mooncake_path(find_shared_dir(ROOT))
+    if path is None:
+        return None
+    with open(path) as f:
+        return sorted((json.loads(x) for x in f if x.strip()), key=lambda r: r["timestamp"])
 
 
 def write_rows(rows: list[dict[str, Any]], path: str) -> None:
-    t0 = min(r["timestamp"] for r in rows)
+    t0 = min(r["timestamp"] for r in rows if "timestamp" in r)
     with open(path, "w") as f:
         for r in rows:
-            f.write(json.dumps({**r, "timestamp": r["timestamp"] - t0}) + "\n")
+            f.write(json.dumps({**r, "timestamp": r["timestamp"] - t0} if "timestamp" in r else r) + "\n")
 
 
 def trace_file(case: Case, seed: int, tmp: str, conversation: list[dict[str, Any]] | None) -> tuple[str, float]:
     """The case's trace for `seed` as a file, and the speed-up to replay it at."""
     from kvroute.sim import synthetic_trace
+    from kvroute.sim.trace import agentic_trace
 
-    path = os.path.join(tmp, f"{case.trace}-{seed}-{case.load:g}.jsonl")
-    if case.trace == "conversation":
+    path = os.path.join(tmp, f"{case.family}-{seed}-{case.load:g}.jsonl")
+    if case.family == "conversation":
         assert conversation is not None
-        third = len(conversation) // SEEDS
+        third = len(conversation) // 3
         write_rows(conversation[seed * third : (seed + 1) * third], path)
         return path, case.load
-    shape = {"agent": "agent", "long": "long_rag"}[case.trace]
-    write_rows(synthetic_trace(shape, requests=3000, rate=case.load, seed=seed), path)
+    if case.family in ("tools", "swarm", "research"):
+        sessions = max(1, round(case.load * SESSION_WINDOW_S))
+        write_rows(agentic_trace(case.family, sessions=sessions, rate=case.load, seed=seed), path)
+    else:
+        write_rows(synthetic_trace(case.family, requests=REQUESTS, rate=case.load, seed=seed), path)
     return path, 1.0
-
-
-def upper_bound(case: Case, path: str, speedup: float) -> float:
-    """A TTFT-attainment limit no router can beat on this case (kvroute.sim.limit's counting
-    argument: least work against the prefill pool's peak capacity); goodput is at most this."""
-    from kvroute.sim import ClusterConfig, load_trace
-    from kvroute.sim.aisim import EngineModel, engine_caps
-    from kvroute.sim.limit import attainment_limit
-
-    w = load_trace(path, speedup=speedup)
-    prefill = case.topology[0]
-    # The most prompt tokens per second one default engine can prefill: its best pass under the
-    # step budget (decode steps beside it only lower it).
-    peak = engine_caps(EngineModel(), 1, 1).p_cap
-    cl = ClusterConfig(instances=prefill, speed=peak, slo=TTFT_SLO_MS / 1000.0)
-    return attainment_limit(w, cl).attainment
 
 
 def build_race() -> None:
     subprocess.run(["cargo", "build", "--release", "-q", "--manifest-path", os.path.join(RACE_DIR, "Cargo.toml")], check=True)
 
 
-def run_case(case: Case, seed: int, path: str, speedup: float, policy: str) -> list[dict[str, Any]]:
+def race(
+    case: Case, path: str, speedup: float, seed: int, placement: str, *, router: dict[str, Any] | None = None, **flags: Any
+) -> dict[str, Any]:
+    """One placement on one trace: the harness's JSON line."""
     w, d = case.topology
-    topo = ["--disagg", f"{w},{d}"] if d else ["--workers", str(w)]
+    cmd = [RACE_BIN, "--trace", path, *(["--disagg", f"{w},{d}"] if d else ["--workers", str(w)])]
+    cmd += ["--speedup", str(speedup), "--seed", str(seed), "--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_MS)]
+    cmd += ["--placements", placement, "--max-tokens", str(MAX_TOKENS)]
+    if router is not None:
+        cmd += ["--router", json.dumps(router)]
+    for k, v in flags.items():
+        if v is True:
+            cmd.append(f"--{k.replace('_', '-')}")
+        elif v is not None:
+            cmd += [f"--{k.replace('_', '-')}", v if isinstance(v, str) else json.dumps(v)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[0])
+
+
+#: The placements of every case: label -> (placement, router parameters, other harness flags).
+NO_REJECT = {"reject": False}
+ABLATION = "kvroute (told the fit)"
+
+
+def placements(dynamo_config: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]]:
+    return {
+        "kvroute": ("kvroute", NO_REJECT, {}),
+        "dynamo": ("dynamo", None, {"dynamo": dynamo_config}),
+        "round_robin": ("round_robin", None, {}),
+        ABLATION: ("kvroute", NO_REJECT, {"knowledge": "oracle"}),
+    }
+
+
+def run_case(case: Case, seed: int, path: str, speedup: float, dynamo_config: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    kv = f"kvroute:{policy}"
-    runs = ((kv, kv, {}), (f"{kv} (no reject)", kv, {"reject": False}), ("dynamo", "dynamo", None), ("round_robin", "round_robin", None))
-    for label, placement, router in runs:
-        cmd = [RACE_BIN, "--trace", path, *topo, "--speedup", str(speedup), "--seed", str(seed)]
-        cmd += ["--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_MS), "--placements", placement]
-        if router is not None:
-            cmd += ["--router", json.dumps(router)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            d_ = json.loads(line)
-            rows.append({"case": case.name, "trace": case.trace, "split": case.split, "seed": seed, "label": label, **d_})
+    for label, (placement, router, flags) in placements(dynamo_config).items():
+        if label == ABLATION and case.topology != (8, 0):
+            continue  # the ablation at 8 workers only: it answers one question, at a quarter of the cost
+        got = race(case, path, speedup, seed, placement, router=router, **flags)
+        rows.append({"case": case.name, "family": case.family, "split": case.split, "seed": seed, "label": label, **got})
     return rows
 
 
-def meta(name: str, argv: list[str] | None) -> dict[str, Any]:
-    return {
-        "benchmark": name,
-        "command": "python "
-        + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
-        "commit": git_commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"),
+def tuned_dynamo() -> dict[str, Any]:
+    """Dynamo's KvRouterConfig as `--tune-dynamo` chose it (Dynamo's defaults before it has run)."""
+    try:
+        with open(TUNING_OUT) as f:
+            return dict(json.load(f)["chosen"])
+    except FileNotFoundError:
+        return {}
+
+
+#: Dynamo's knobs swept on the tuning half: the overlap credit (how much a cached block lowers a
+#: worker's cost), its decay with load, and the sampling temperature.
+DYNAMO_GRID = {
+    "overlap_score_credit": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    "overlap_score_credit_decay": (0.0, 1.0),
+    "router_temperature": (0.0, 0.1),
+}
+
+
+def tune_dynamo(argv: list[str] | None) -> int:
+    """Sweeps DYNAMO_GRID on the tuning half at 8 workers (one seed per case) and keeps the best mean goodput
+    (TTFT p99 breaks ties within 0.1 points)."""
+    build_race()
+    conversation = conversation_rows()
+    # At 8 workers (the sweep is 16 configurations per case).
+    todo = [c for c in cases(True) if c.split == "tuning" and (c.family != "conversation" or conversation)]
+    grid = [dict(zip(DYNAMO_GRID, v)) for v in itertools.product(*DYNAMO_GRID.values())]
+    rows = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in todo:
+            seed = case.seeds(1)[0]
+            path, speedup = trace_file(case, seed, tmp, conversation)
+            for cfg in grid:
+                got = race(case, path, speedup, seed, "dynamo", dynamo=cfg)
+                rows.append({"case": case.name, "seed": seed, "config": cfg, "summary": got["summary"]})
+                print(f"[{time.time() - t0:5.0f}s] {case.name} {cfg}: {got['summary']['goodput_share'] * 100:.1f}%", flush=True)
+
+    def score(cfg: dict[str, Any]) -> tuple[float, float]:
+        mine = [r["summary"] for r in rows if r["config"] == cfg]
+        good = sum(s["goodput_share"] for s in mine) / len(mine)
+        p99 = sum(s["ttft_p99_ms"] or 0.0 for s in mine) / len(mine)
+        return round(good, 3), -p99
+
+    chosen = max(grid, key=score)
+    doc = {
+        **results_file.header("aisim_dynamo_tuning", results_file.command("bench_aisim.py", argv)),
+        "grid": DYNAMO_GRID,
+        "cases": [c.name for c in todo],
+        "chosen": chosen,
+        "rows": rows,
     }
+    results_file.write(TUNING_OUT, doc)
+    print(f"chosen: {chosen}; wrote {TUNING_OUT}")
+    return 0
+
+
+#: The case CI reruns (`--check`): small, held out, and its kvroute figures must equal the suite's.
+CHECK_CASE = "tools 8w 7.5/s"
+#: Summary fields compared exactly (to 1e-9 relative); wall time is not one.
+CHECKED = ("requests", "completed", "rejected", "goodput_share", "prefix_hit_rate", "ttft_mean_ms", "ttft_p99_ms", "itl_p99_ms")
+
+
+def check() -> int:
+    """CI: builds the race, reruns CHECK_CASE's seed 0 for kvroute (as deployed and told the fit)
+    and round robin, and fails when a figure differs from the committed suite's; then checks, per
+    request, that AISimulate's and dynamo-mocker's round robin build the same engines (what every
+    comparison with Dynamo rests on) and that Dynamo's tuned router runs."""
+    with open(SUITE_OUT) as f:
+        suite = json.load(f)
+    want = {r["label"]: r for r in suite["rows"] if r["case"] == CHECK_CASE and r["seed"] == 0}
+    if not want:
+        print(f"{SUITE_OUT} has no {CHECK_CASE!r} seed 0: rerun the suite", file=sys.stderr)
+        return 1
+    build_race()
+    case = next(c for c in cases(False) if c.name == CHECK_CASE)
+    bad = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path, speedup = trace_file(case, 0, tmp, None)
+        for label, (placement, router, flags) in placements(suite["dynamo_config"]).items():
+            if label == "dynamo":
+                continue
+            got = race(case, path, speedup, 0, placement, router=router, **flags)["summary"]
+            for k in CHECKED:
+                a, b = got.get(k), want[label]["summary"].get(k)
+                if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))):
+                    bad.append(f"{label}: {k} = {a}, the results file has {b}")
+        rr = race(case, path, speedup, 0, "round_robin", records=True)["records"]
+        drr = race(case, path, speedup, 0, "dynamo_round_robin", records=True)["records"]
+        if len(rr) != len(drr):
+            bad.append(f"round robin: AISimulate served {len(rr)} requests, dynamo-mocker {len(drr)}")
+        for i, (a, b) in enumerate(zip(rr, drr)):
+            for k in ("arrival_ms", "prefill_worker", "cached_tokens", "ttft_ms", "itl_ms"):
+                x, y = a.get(k), b.get(k)
+                if x != y and not (isinstance(x, float) and isinstance(y, float) and abs(x - y) <= 1e-6 * max(1.0, abs(x))):
+                    bad.append(f"round robin, request {i}: {k} = {x} in AISimulate, {y} in dynamo-mocker")
+                    break
+            if len(bad) > 20:
+                break
+        dyn = race(case, path, speedup, 0, "dynamo", dynamo=suite["dynamo_config"])["summary"]
+        if dyn["requests"] != want["dynamo"]["summary"]["requests"]:
+            bad.append(f"dynamo: {dyn['requests']} requests, the results file has {want['dynamo']['summary']['requests']}")
+    for line in bad:
+        print(line, file=sys.stderr)
+    if bad:
+        print(f"the race no longer reproduces {os.path.relpath(SUITE_OUT, ROOT)}: rerun `python benches/bench_aisim.py`", file=sys.stderr)
+        return 1
+    print(f"aisim race: {CHECK_CASE} seed 0 reproduces the results file; round robin agrees request for request ({len(rr)})")
+    return 0
 
 
 def speed(out: str, argv: list[str] | None) -> int:
     """Wall time of the whole conversation trace (12,031 requests) at 16 workers, speed-up 1, per
     placement: the median of 3 runs each, and simulated seconds per wall second."""
-    from kvroute import Router
+    from kvroute.sim.suite import mooncake_path
+    from kvroute.sim.trace import find_shared_dir
 
-    path = conversation_path()
+    path = mooncake_path(find_shared_dir(ROOT))
     if path is None:
         print("no ../shared/traces/mooncake_conversation_trace.jsonl", file=sys.stderr)
         return 1
     build_race()
     rows = []
-    for placement in (f"kvroute:{Router().policy}", "dynamo", "round_robin"):
+    case = Case("conversation", (16, 0), 1.0, "held-out")
+    for placement in ("kvroute", "dynamo", "round_robin"):
         runs = []
         for _ in range(3):
-            cmd = [RACE_BIN, "--trace", path, "--workers", "16", "--speedup", "1", "--placements", placement]
-            cmd += ["--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_MS)]
-            d = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[0])
+            d = race(case, path, 1.0, 0, placement)
             runs.append((d["wall_s"], d["summary"]["makespan_s"], d["summary"]["requests"]))
         runs.sort()
         wall, sim, n = runs[1]
@@ -184,80 +342,55 @@ def speed(out: str, argv: list[str] | None) -> int:
             {"placement": placement, "requests": n, "wall_s": wall, "sim_s": sim, "sim_per_wall": sim / wall, "walls": [r[0] for r in runs]}
         )
         print(f"{placement}: {n} requests, {wall:.1f} s wall (median of 3), {sim:.0f} s simulated, {sim / wall:.0f}x")
-    with open(out, "w") as f:
-        json.dump({**meta("aisim_speed", argv), "rows": rows}, f, indent=1)
+    results_file.write(out, {**results_file.header("aisim_speed", results_file.command("bench_aisim.py", argv)), "rows": rows})
     print(f"wrote {out}")
     return 0
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed, 8 workers and 4P12D, conversation and agent")
-    ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per case (default {SEEDS}; conversation has {SEEDS} thirds)")
+    ap.add_argument("--quick", action="store_true", help="one seed, 8 workers")
+    ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per case (default {SEEDS}; at most 2 held-out conversation thirds)")
     ap.add_argument("--out", help="results file (default benches/results/aisim_suite.json, or aisim_speed.json with --speed)")
     ap.add_argument("--speed", action="store_true", help="time the whole conversation trace at 16 workers (quiet machine)")
+    ap.add_argument("--tune-dynamo", action="store_true", help="sweep Dynamo's KvRouterConfig on the tuning half")
+    ap.add_argument("--check", action="store_true", help="rerun one case of the committed suite; exit 1 if its figures moved")
     a = ap.parse_args(argv)
+    if a.check:
+        return check()
     if a.speed:
-        return speed(a.out or os.path.join(HERE, "results", "aisim_speed.json"), argv)
-    a.out = a.out or os.path.join(HERE, "results", "aisim_suite.json")
-    if not 1 <= a.seeds <= SEEDS:
-        ap.error(f"--seeds must be 1..{SEEDS}")
+        return speed(a.out or os.path.join(RESULTS, "aisim_speed.json"), argv)
+    if a.tune_dynamo:
+        return tune_dynamo(argv)
+    a.out = a.out or SUITE_OUT
+    if not 1 <= a.seeds <= 5:
+        ap.error("--seeds must be 1..5")
     seeds = 1 if a.quick else a.seeds
-    from kvroute import Router
-
-    policy = str(Router().policy)
     build_race()
-    conv_path = conversation_path()
-    conversation = None
-    if conv_path:
-        with open(conv_path) as f:
-            conversation = sorted((json.loads(x) for x in f if x.strip()), key=lambda r: r["timestamp"])
-    todo = [c for c in cases(a.quick) if c.trace != "conversation" or conversation is not None]
+    dynamo_config = tuned_dynamo()
+    conversation = conversation_rows()
+    todo = [c for c in cases(a.quick) if c.family != "conversation" or conversation is not None]
     if conversation is None:
         print("no ../shared/traces/mooncake_conversation_trace.jsonl: conversation cases skipped", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for case in todo:
-            for seed in range(seeds):
+            for seed in case.seeds(seeds):
                 path, speedup = trace_file(case, seed, tmp, conversation)
-                got = run_case(case, seed, path, speedup, policy)
-                bound = upper_bound(case, path, speedup)
-                got.append(
-                    {
-                        "case": case.name,
-                        "trace": case.trace,
-                        "split": case.split,
-                        "seed": seed,
-                        "label": "upper bound",
-                        "summary": {"goodput_share": bound},
-                    }
-                )
+                got = run_case(case, seed, path, speedup, dynamo_config)
                 rows.extend(got)
-                brief = "  ".join(f"{r['label'].replace('kvroute:', '')}: {r['summary']['goodput_share'] * 100:.1f}%" for r in got)
+                brief = "  ".join(f"{r['label']}: {r['summary']['goodput_share'] * 100:.1f}%" for r in got)
                 print(f"[{time.time() - t0:6.0f}s] {case.name} seed {seed}: goodput {brief}", flush=True)
     result = {
-        "benchmark": "aisim_suite",
-        "command": "python "
-        + " ".join(shlex.quote(x) for x in [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
-        "commit": git_commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"),
+        **results_file.header("aisim_suite", results_file.command("bench_aisim.py", argv)),
         "slo": {"ttft_ms": TTFT_SLO_MS, "itl_ms": ITL_SLO_MS},
-        "default_policy": policy,
+        "max_tokens": MAX_TOKENS,
+        "dynamo_config": dynamo_config,
         "seeds": seeds,
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    results_file.write(a.out, result)
     print(f"wrote {a.out} ({len(rows)} runs, {time.time() - t0:.0f} s)")
     return 0
 
