@@ -114,7 +114,7 @@ def cases(quick: bool) -> list[Case]:
     for family, (split, loads) in LOADS.items():
         topologies: list[tuple[int, int]] = [(8, 0), (16, 0)] + ([(4, 12)] if family == "conversation" else [])
         for topo in topologies:
-            scale = (topo[0] if topo[1] == 0 else topo[0] * 2) / 8  # 4P12D: as 8 workers' prefill
+            scale = topo[0] / 8  # per prefill worker: 4P12D carries half the load of 8 unified workers
             for load in loads:
                 # The conversation trace's first third is tuning data wherever it runs.
                 for s in ("tuning", split) if family == "conversation" else (split,):

@@ -89,8 +89,10 @@ pub struct Shared {
     router: Arc<Router>,
     block_size: usize,
     hash_seed: u64,
-    /// Replay request -> Router request id, and the decode worker chosen with it (PD), while in flight.
-    requests: HashMap<Uuid, (u64, Option<WorkerId>)>,
+    /// Replay request -> Router request id, the decode worker chosen with it (PD), and the output
+    /// tokens it will produce (reported to the Router when it finishes, as a response's usage
+    /// tells a gateway), while in flight.
+    requests: HashMap<Uuid, (u64, Option<WorkerId>, u64)>,
     next_id: u64,
     /// Every request the Router placed or rejected.
     pub routed: HashMap<Uuid, Routed>,
@@ -234,7 +236,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         if self.pool == 1 {
             // Decode pool: the worker chosen with the prefill, or the sink for a rejected request.
             let scheduler = match sh.requests.get(&uuid) {
-                Some((_, Some(d))) => (d - DECODE_BASE) as usize,
+                Some((_, Some(d), _)) => (d - DECODE_BASE) as usize,
                 _ if sh.routed.get(&uuid).is_some_and(|r| !r.admitted) => sink,
                 _ => bail!("decode placement for request {uuid}, which was never routed to a prefill worker"),
             };
@@ -246,9 +248,10 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         let tokens = request.prompt_tokens();
         let rid = sh.next_id;
         sh.next_id += 1;
+        let produced = request.metadata().effective_max_output_tokens() as u64;
         let out = match sh.output {
             OutputShown::MaxTokens(m) => m,
-            OutputShown::True => Some(request.metadata().effective_max_output_tokens() as u64),
+            OutputShown::True => Some(produced),
         };
         let d = sh.router.route(&RouteRequest {
             tokens: Some(&tokens),
@@ -259,7 +262,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         })?;
         sh.routed.insert(uuid, Routed { predicted_ttft: d.predicted_ttft, admitted: d.admitted });
         let scheduler = if d.admitted {
-            sh.requests.insert(uuid, (rid, d.decode_worker));
+            sh.requests.insert(uuid, (rid, d.decode_worker, produced));
             if sh.pd && d.decode_worker.is_none() {
                 bail!("the Router chose no decode worker for request {uuid} in a disaggregated run");
             }
@@ -298,7 +301,10 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         if sh.pd && self.pool == 0 {
             return Ok(Vec::new());
         }
-        if let Some((rid, _)) = sh.requests.remove(&request_id) {
+        if let Some((rid, _, produced)) = sh.requests.remove(&request_id) {
+            if matches!(sh.output, OutputShown::MaxTokens(_)) {
+                sh.router.output_done(produced);
+            }
             sh.router.finished(rid, Some(secs(now_ms)))?;
         }
         Ok(Vec::new())
@@ -307,7 +313,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
     fn prefill_completed(&mut self, request_id: Uuid, now_ms: f64) -> Result<Vec<Placement>> {
         let sh = self.shared.borrow();
         if self.pool == 0 {
-            if let Some((rid, _)) = sh.requests.get(&request_id) {
+            if let Some((rid, _, _)) = sh.requests.get(&request_id) {
                 sh.router.prefill_done(*rid, Some(secs(now_ms)))?;
             }
         }

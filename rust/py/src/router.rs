@@ -270,6 +270,12 @@ impl PyRouter {
         self.inner.finished(request_key(request_id)?, check_time(now, "now")?).map_err(to_py)
     }
 
+    /// A finished request produced `tokens` output tokens (its response's usage): decode KV is
+    /// then reserved for what requests produce (mean + 2 SD), capped by each one's max_tokens.
+    fn output_done(&self, tokens: u64) {
+        self.inner.output_done(tokens)
+    }
+
     /// The request was abandoned; a queued prefill is taken out of the virtual queue.
     #[pyo3(signature = (request_id, now = None))]
     fn cancel(&self, request_id: &Bound<'_, PyAny>, now: Option<f64>) -> PyResult<()> {

@@ -219,7 +219,7 @@ impl Router {
         Ok(Ask {
             now,
             num_tokens,
-            kv_need: (num_tokens + req.output_tokens.unwrap_or(0)).div_ceil(bs),
+            kv_need: (num_tokens + st.outputs.expected(req.output_tokens)).div_ceil(bs),
             pd: st.workers.iter().any(|w| w.spec.role == Role::Decode),
             pinned,
             restricted,

@@ -98,6 +98,10 @@ pub(super) fn last_int(s: &[u8], key: &str) -> Option<u64> {
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
+        // The output the request produced: decode KV is reserved for what requests produce.
+        if let Some(out) = last_int(&self.tail, "completion_tokens") {
+            self.sh.router.output_done(out);
+        }
         // Only a complete usage object counts: both figures, cached tokens within the prompt.
         let (Some(prompt), Some(cached)) = (last_int(&self.tail, "prompt_tokens"), last_int(&self.tail, "cached_tokens")) else {
             return;

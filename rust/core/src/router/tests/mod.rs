@@ -4,6 +4,7 @@ use super::*;
 
 mod admission;
 mod lifecycle;
+mod output_length;
 mod pd;
 mod pending;
 mod policies;
