@@ -220,7 +220,7 @@ def tuned_dynamo() -> dict[str, Any]:
 #: Dynamo's knobs swept on the tuning half: the overlap credit (how much a cached block lowers a
 #: worker's cost), its decay with load, and the sampling temperature.
 DYNAMO_GRID = {
-    "overlap_score_credit": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    "overlap_score_credit": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
     "overlap_score_credit_decay": (0.0, 1.0),
     "router_temperature": (0.0, 0.1),
 }
