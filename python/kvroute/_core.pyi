@@ -314,10 +314,11 @@ class Router:
     ) -> Decision: ...
     def prefill_done(self, request_id: RequestId, now: float | None = None) -> None: ...
     def finished(self, request_id: RequestId, now: float | None = None) -> None: ...
-    def output_done(self, tokens: int) -> None:
-        """A finished request produced ``tokens`` output tokens (its response's usage): decode KV
-        is then reserved for what requests produce (mean + 2 SD over ~256), capped by each
-        request's ``output_tokens``, instead of the whole cap, once 16 were reported."""
+    def output_done(self, request_id: RequestId, tokens: int, now: float | None = None) -> None:
+        """The request, still in flight (call before `finished`), produced ``tokens`` output tokens
+        (its response's usage): decode KV is then reserved for what requests produce (mean + 2 SD
+        over ~256), capped by each request's ``output_tokens``, instead of the whole cap, once 16
+        were reported; with ``ttft_model="learned"``, one sample of its decode worker's step."""
     def cancel(self, request_id: RequestId, now: float | None = None) -> None: ...
     def set_prefix_cache_blocks(self, worker: int, blocks: int | None) -> None:
         """Sets a registered worker's prefix-cache size in KV blocks (None: unknown), e.g. once its

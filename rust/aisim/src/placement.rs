@@ -303,7 +303,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvroutePlacement {
         }
         if let Some((rid, _, produced)) = sh.requests.remove(&request_id) {
             if matches!(sh.output, OutputShown::MaxTokens(_)) {
-                sh.router.output_done(produced);
+                sh.router.output_done(rid, produced, Some(secs(now_ms)))?;
             }
             sh.router.finished(rid, Some(secs(now_ms)))?;
         }

@@ -270,10 +270,12 @@ impl PyRouter {
         self.inner.finished(request_key(request_id)?, check_time(now, "now")?).map_err(to_py)
     }
 
-    /// A finished request produced `tokens` output tokens (its response's usage): decode KV is
-    /// then reserved for what requests produce (mean + 2 SD), capped by each one's max_tokens.
-    fn output_done(&self, tokens: u64) {
-        self.inner.output_done(tokens)
+    /// The request, still in flight, produced `tokens` output tokens (its response's usage):
+    /// decode KV is then reserved for what requests produce (mean + 2 SD), capped by each one's
+    /// max_tokens; with the learned model, one sample of its decode worker's step.
+    #[pyo3(signature = (request_id, tokens, now = None))]
+    fn output_done(&self, request_id: &Bound<'_, PyAny>, tokens: u64, now: Option<f64>) -> PyResult<()> {
+        self.inner.output_done(request_key(request_id)?, tokens, check_time(now, "now")?).map_err(to_py)
     }
 
     /// The request was abandoned; a queued prefill is taken out of the virtual queue.

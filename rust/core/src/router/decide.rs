@@ -476,6 +476,8 @@ impl Router {
                     kv_blocks,
                     prefill_pending: true,
                     routed_at: now,
+                    first_token_at: f64::NEG_INFINITY,
+                    batch_at_first: 0,
                     pending,
                     overlap_blocks: c.overlap_blocks,
                     checkpoints,

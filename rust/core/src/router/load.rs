@@ -152,6 +152,10 @@ pub struct WorkerLoad {
     pub observed: Observed,
     /// The learned prefill time (`TtftModel::Learned`); unused while `prefill_fit.fitted` is None.
     pub prefill_fit: PrefillFit,
+    /// The learned decode step (`TtftModel::Learned`), the same fit over finished requests' mean
+    /// inter-token latency (`Router::output_done`) against the decode batch they ran in:
+    /// `step + per_request * batch`; unused while `decode_fit.fitted` is None.
+    pub decode_fit: PrefillFit,
     /// When the last prefill here finished (`prefill_done`, `finished`); -inf before any.
     pub last_prefill_done: f64,
     /// Prompt tokens routed here, decaying over the load window (`RouterConfig::token_share_bound`;
@@ -172,6 +176,7 @@ impl WorkerLoad {
             decode_blocks: 0,
             observed: Observed::default(),
             prefill_fit: PrefillFit::default(),
+            decode_fit: PrefillFit::default(),
             last_prefill_done: f64::NEG_INFINITY,
             routed_tokens: 0.0,
         }
@@ -228,9 +233,19 @@ impl WorkerLoad {
     /// and without `decode_tokens_per_s` (the seed's prefill instances).
     #[inline]
     pub fn step_time(&self, decode_step_s: f64) -> f64 {
-        match self.spec.decode_tokens_per_s {
-            Some(r) if self.spec.role == Role::Both => decode_step_s + self.in_flight() as f64 / r,
+        match self.decode_model(decode_step_s) {
+            Some((step, per_request)) if self.spec.role == Role::Both => step + self.in_flight() as f64 * per_request,
             _ => 0.0,
+        }
+    }
+
+    /// The decode step as (seconds at batch 0, seconds per running request): learned
+    /// (`decode_fit`), else from the registered `decode_tokens_per_s`; None: unknown.
+    #[inline]
+    pub fn decode_model(&self, decode_step_s: f64) -> Option<(f64, f64)> {
+        match self.decode_fit.fitted {
+            Some(fit) => Some(fit),
+            None => self.spec.decode_tokens_per_s.map(|r| (decode_step_s, 1.0 / r)),
         }
     }
 
@@ -276,7 +291,7 @@ impl WorkerLoad {
     /// Predicted TPOT with one more sequence in the batch (None when decode speed is unknown).
     #[inline]
     pub fn tpot_with_one_more(&self, decode_step_s: f64) -> Option<f64> {
-        self.spec.decode_tokens_per_s.map(|r| decode_step_s + (self.batch() as f64 + 1.0) / r)
+        self.decode_model(decode_step_s).map(|(step, per_request)| step + (self.batch() as f64 + 1.0) * per_request)
     }
 
     /// Queues `work` seconds of prefill arriving at `now`; returns the predicted finish time.
@@ -306,6 +321,10 @@ pub struct InFlight {
     /// When it was routed (the router's clock): with `prefill_done`, one sample of the learned
     /// prefill time.
     pub routed_at: f64,
+    /// When its first token came (`prefill_done`; -inf before), and its decode worker's batch
+    /// then: with `output_done`, one sample of the learned decode step.
+    pub first_token_at: f64,
+    pub batch_at_first: u32,
     /// Its entry in the router's pending prefixes, if one was recorded.
     pub pending: Option<u64>,
     /// Blocks it was routed as holding on `prefill_worker` (lowered by stale-overlap corrections).

@@ -413,7 +413,10 @@ impl Router {
         }
         Self::finish_prefill(&mut st, &rec, now, self.cfg.ttft_model == TtftModel::Learned);
         st.checkpoints.remove(request_id, &rec.checkpoints);
-        st.requests.get_mut(&request_id).expect("present").prefill_pending = false;
+        let batch = st.pos.get(&rec.decode_worker).map_or(0, |&d| st.workers[d].batch());
+        let r = st.requests.get_mut(&request_id).expect("present");
+        r.prefill_pending = false;
+        (r.first_token_at, r.batch_at_first) = (now, batch);
         if let Some(tag) = rec.pending {
             st.pending.expire_at(tag, now + self.cfg.cache_view.pending_grace_s);
         }
@@ -455,12 +458,27 @@ impl Router {
         w.decode_blocks = w.decode_blocks.saturating_sub(rec.kv_blocks);
     }
 
-    /// A finished request produced `tokens` output tokens (the response's usage): the Router
-    /// reserves decode KV for what requests produce (mean + 2 SD, decaying over ~256 reports),
-    /// capped by each request's `output_tokens` (its `max_tokens`), instead of the whole cap,
-    /// once 16 have been reported.
-    pub fn output_done(&self, tokens: u64) {
-        self.state.lock().outputs.add(tokens);
+    /// Request `request_id`, still in flight (before its `finished`), produced `tokens` output
+    /// tokens by `now` (the response's usage). The Router reserves decode KV for what requests
+    /// produce (mean + 2 SD, decaying over ~256 reports), capped by each request's
+    /// `output_tokens` (its `max_tokens`), instead of the whole cap, once 16 have been reported.
+    /// With the learned TTFT model, its mean inter-token latency since `prefill_done` is one
+    /// sample of its decode worker's step (`WorkerLoad::decode_fit`).
+    pub fn output_done(&self, request_id: u64, tokens: u64, now: Option<f64>) -> Result<(), RouterError> {
+        let now = self.now(now)?;
+        let mut st = self.state.lock();
+        let rec = *st.requests.get(&request_id).ok_or(RouterError::UnknownRequest(request_id))?;
+        st.outputs.add(tokens);
+        if self.cfg.ttft_model == TtftModel::Learned && rec.first_token_at.is_finite() && tokens >= 2 {
+            if let Some(&at) = st.pos.get(&rec.decode_worker) {
+                let w = &mut st.workers[at];
+                let itl = (now - rec.first_token_at) / (tokens - 1) as f64;
+                let batch = (rec.batch_at_first as f64 + w.batch() as f64) / 2.0;
+                // Prior slope 0: without evidence that the batch matters, a constant step.
+                w.decode_fit.add(batch, itl, 0.0);
+            }
+        }
+        Ok(())
     }
 
     /// The request completed (its KV is released); finishes its prefill too if still pending.

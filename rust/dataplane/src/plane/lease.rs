@@ -23,7 +23,12 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // An unknown request here would be a data plane bug; nothing useful to do on the drop path.
+        // The output the response reported (its usage): what decode KV is reserved for, and one
+        // sample of the worker's decode step. An unknown request here would be a data plane bug;
+        // nothing useful to do on the drop path.
+        if let Some(out) = self.tap.as_ref().filter(|_| self.prefilled).and_then(|t| last_int(&t.tail, "completion_tokens")) {
+            let _ = self.router.output_done(self.rid, out, None);
+        }
         let _ = if self.prefilled { self.router.finished(self.rid, None) } else { self.router.cancel(self.rid, None) };
     }
 }
@@ -98,10 +103,6 @@ pub(super) fn last_int(s: &[u8], key: &str) -> Option<u64> {
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
-        // The output the request produced: decode KV is reserved for what requests produce.
-        if let Some(out) = last_int(&self.tail, "completion_tokens") {
-            self.sh.router.output_done(out);
-        }
         // Only a complete usage object counts: both figures, cached tokens within the prompt.
         let (Some(prompt), Some(cached)) = (last_int(&self.tail, "prompt_tokens"), last_int(&self.tail, "cached_tokens")) else {
             return;

@@ -30,8 +30,12 @@ fn a_router_told_what_requests_produce_stops_reserving_the_whole_cap() {
         |now: f64| r.route(&RouteRequest { tokens: Some(&toks), now: Some(now), output_tokens: Some(8192), ..Default::default() }).unwrap();
     let d = ask(0.0);
     assert!(!d.admitted && d.reason == Reason::RejectedDecode, "{:?}", d.reason);
-    for _ in 0..16 {
-        r.output_done(100);
+    for id in 0..16 {
+        let small = prompt(100 + id as u32, 64);
+        r.route(&RouteRequest { tokens: Some(&small), now: Some(0.5), request_id: Some(id), ..Default::default() }).unwrap();
+        r.output_done(id, 100, Some(0.6)).unwrap();
+        r.finished(id, Some(0.6)).unwrap();
     }
     assert!(ask(1.0).admitted);
+    assert_eq!(r.output_done(99, 1, None), Err(RouterError::UnknownRequest(99)), "only a request in flight");
 }
