@@ -51,8 +51,8 @@ e2e:
 	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py tests/docs/test_integrations_guide.py
 # The benchmark harnesses with workspaces of their own under benches/ (Dynamo's crates are their peers, never
 # the wheel's): each builds and runs a quick case. The AISimulate race reruns one case of the committed suite
-# and fails when its figures moved (the README renders that suite), and checks the two harnesses' round robin
-# request for request.
+# and fails when its figures moved (the README renders that suite), and checks the two harnesses' round robin at
+# every arrival instant.
 races:
 	$(PY) benches/bench_aisim.py --check
 	$(PY) benches/index_race.py --quick --out .ci/index_race_quick.json
