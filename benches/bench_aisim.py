@@ -48,7 +48,6 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, HERE)
 import results_file  # noqa: E402
 
