@@ -224,13 +224,14 @@ impl WorkerLoad {
     }
 
     /// The engine step a new prefill here runs in, on a unified worker (role "both") whose decode
-    /// speed is known: `decode_step_s + in_flight / decode_tokens_per_s`. On a unified engine
+    /// step is known (`decode_model`: learned, or `decode_step_s + in_flight / decode_tokens_per_s`
+    /// from the registered speed). On a unified engine
     /// (vLLM, SGLang with chunked prefill) every step runs each decoding request's next token beside
     /// the prefill, and the first token comes at the end of that step; the requests in flight here
     /// (queued ones included: the queue is FIFO, so by then they decode too) set its length.
     /// Latency, not occupancy: it does not advance `busy_until`. 0 on prefill and decode workers
     /// (PD mode, including a decode worker's local prefill, which the simulator models without it)
-    /// and without `decode_tokens_per_s` (the seed's prefill instances).
+    /// and while the decode step is unknown (the seed's prefill instances).
     #[inline]
     pub fn step_time(&self, decode_step_s: f64) -> f64 {
         match self.decode_model(decode_step_s) {

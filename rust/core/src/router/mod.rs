@@ -67,8 +67,8 @@ pub struct RouteRequest<'a> {
     /// Track the request for `prefill_done` / `finished` / `cancel`; untracked requests only
     /// advance the virtual-time queue.
     pub request_id: Option<u64>,
-    /// The request's output cap (its `max_tokens`): decode KV is reserved for it, or for the
-    /// mean output finished requests reported (`Router::output_done`) when that is lower.
+    /// The request's output cap (its `max_tokens`): decode KV is reserved for it, or for what
+    /// finished requests reported producing (`Router::output_done`: mean + 2 SD) when lower.
     pub output_tokens: Option<u64>,
     pub explain: bool,
     /// Route to this worker (a session pin, or a caller's own choice); load and SLO checks still apply.
