@@ -184,6 +184,8 @@ class WorkerLoad(TypedDict):
     observed_running: int | None
     observed_kv_usage: float | None
     prefill_samples: int
+    #: The learned prefill model (learned TTFT model): the worker's own fit once it has
+    #: `prefill_samples` >= 16, else the pool's fit over every worker's samples; None before either.
     learned_overhead_s: float | None
     learned_prefill_tokens_per_s: float | None
 

@@ -351,7 +351,7 @@ pub fn run(spec_: &RunSpec, placer: Placer, trace: Trace) -> Result<RunResult> {
                 let w = router.load(id)?;
                 if w.spec.role.prefills() {
                     let f = &w.prefill_fit;
-                    let (prefill_tokens_per_s, overhead_s) = (w.prefill_speed(), f.fitted.map(|(a, _)| a));
+                    let (prefill_tokens_per_s, overhead_s) = (w.prefill_speed(), w.prefill_model().map(|(a, _)| a));
                     speeds.push(WorkerSpeed { worker: id, prefill_tokens_per_s, overhead_s, samples: f.samples() });
                 }
             }

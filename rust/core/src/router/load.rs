@@ -40,15 +40,17 @@ impl Default for WorkerSpec {
 /// from the prefills the router sees finish (`prefill_done`): each one's *service time* is its
 /// finish minus the later of its routing and the previous finish there (the engine was busy with
 /// it from then on), regressed on its uncached tokens by exponentially weighted least squares (a
-/// sample's weight decays by `KEEP` per later sample: a memory of ~64 requests per worker).
+/// sample's weight decays by `1 - 1 / MEMORY` per later sample: a memory of ~64 requests per worker).
 /// Why service time, not TTFT: TTFT = queueing + own work, and the queue is already modelled
 /// (the virtual-time queue, corrected by `prefill_done`); what the router lacks is the work per
 /// token. Over a busy period the service times sum to its length, so an engine that batches
 /// prefills (several finish close together) still gets its true throughput; on a FIFO engine of
 /// speed S (the simulator's) the fit is exactly `(0, 1 / S)`. The intercept holds what does not
 /// scale with tokens (HTTP, scheduling, the first decode step, running decodes' share).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PrefillFit {
+    /// A sample's weight decays by this per later sample.
+    keep: f64,
     weight: f64,
     sx: f64,
     sy: f64,
@@ -67,7 +69,24 @@ impl PrefillFit {
     /// time shows no dependence on the tokens (an engine so fast that HTTP and scheduling jitter
     /// is all one measures), the configured slope stays and only the overhead is learned.
     pub const MIN_SLOPE_T: f64 = 3.0;
-    const KEEP: f64 = 1.0 - 1.0 / 64.0;
+    /// One worker's memory, samples.
+    pub const MEMORY: f64 = 64.0;
+
+    /// A fit that remembers ~`samples` measurements (a sample's weight decays by
+    /// `1 - 1 / samples` per later one).
+    pub fn with_memory(samples: f64) -> Self {
+        PrefillFit {
+            keep: 1.0 - 1.0 / samples.max(1.0),
+            weight: 0.0,
+            sx: 0.0,
+            sy: 0.0,
+            sxx: 0.0,
+            sxy: 0.0,
+            syy: 0.0,
+            samples: 0,
+            fitted: None,
+        }
+    }
 
     /// Adds one measurement: `x` uncached tokens served in `secs` seconds; `prior_spt` = the
     /// configured seconds per token, the slope kept when the samples show no evidence of another.
@@ -75,7 +94,7 @@ impl PrefillFit {
         if !(x.is_finite() && secs.is_finite() && secs >= 0.0) {
             return;
         }
-        let k = Self::KEEP;
+        let k = self.keep;
         self.weight = self.weight * k + 1.0;
         self.sx = self.sx * k + x;
         self.sy = self.sy * k + secs;
@@ -124,6 +143,46 @@ impl PrefillFit {
     }
 }
 
+impl Default for PrefillFit {
+    fn default() -> Self {
+        PrefillFit::with_memory(Self::MEMORY)
+    }
+}
+
+/// The pool's fits (learned model): one over every prefill worker's samples, with each sample's
+/// tokens in units of its worker's registered speed (x = tokens / `prefill_tokens_per_s`, so the
+/// slope is how much slower, or faster, the engines run than registered), and one over every
+/// decode sample. A worker with no fit of its own predicts with the pool's
+/// (`WorkerLoad::pooled_prefill`, `pooled_decode`), and the pool's slope is the prior its own fit
+/// keeps until its samples show another. Why: a worker predicted at the registered prior while
+/// its peers are measured looks slower (or faster) than it is for as long as it has no samples,
+/// and a slower-looking worker is sent nothing, so it never gets any: in the AISimulate race's
+/// tuning half (agent, 16 workers, 40/s) 5 of 16 identical engines served no request at all, at
+/// the prior's 20,000 tokens/s beside peers measured at 32,000-48,000, and the rest carried
+/// their load (TTFT p99 1.8x Dynamo's).
+#[derive(Clone, Debug)]
+pub struct PoolFit {
+    pub prefill: PrefillFit,
+    pub decode: PrefillFit,
+}
+
+impl PoolFit {
+    /// The pool remembers this many samples (the fleet's, not one worker's).
+    pub const MEMORY: f64 = 256.0;
+
+    /// The prefill seconds per token the pool predicts for a worker registered at
+    /// `registered_tokens_per_s`, with its overhead; None before the pool has a fit.
+    pub fn prefill_for(&self, registered_tokens_per_s: f64) -> Option<(f64, f64)> {
+        self.prefill.fitted.map(|(a, ratio)| (a, ratio / registered_tokens_per_s))
+    }
+}
+
+impl Default for PoolFit {
+    fn default() -> Self {
+        PoolFit { prefill: PrefillFit::with_memory(Self::MEMORY), decode: PrefillFit::with_memory(Self::MEMORY) }
+    }
+}
+
 /// Latest engine-reported metrics (vLLM's `num_requests_waiting` / `running`, KV usage fraction).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Observed {
@@ -156,6 +215,10 @@ pub struct WorkerLoad {
     /// inter-token latency (`Router::output_done`) against the decode batch they ran in:
     /// `step + per_request * batch`; unused while `decode_fit.fitted` is None.
     pub decode_fit: PrefillFit,
+    /// The pool's prefill fit for this worker (`PoolFit`), used while `prefill_fit` has none.
+    pub pooled_prefill: Option<(f64, f64)>,
+    /// The pool's decode step, used while `decode_fit` has none.
+    pub pooled_decode: Option<(f64, f64)>,
     /// When the last prefill here finished (`prefill_done`, `finished`); -inf before any.
     pub last_prefill_done: f64,
     /// Prompt tokens routed here, decaying over the load window (`RouterConfig::token_share_bound`;
@@ -177,6 +240,8 @@ impl WorkerLoad {
             observed: Observed::default(),
             prefill_fit: PrefillFit::default(),
             decode_fit: PrefillFit::default(),
+            pooled_prefill: None,
+            pooled_decode: None,
             last_prefill_done: f64::NEG_INFINITY,
             routed_tokens: 0.0,
         }
@@ -188,10 +253,17 @@ impl WorkerLoad {
         (self.busy_until - now).max(0.0)
     }
 
+    /// The learned prefill model, (overhead seconds, seconds per token): this worker's own fit,
+    /// else the pool's; None: nothing measured yet (the registered speed predicts).
+    #[inline]
+    pub fn prefill_model(&self) -> Option<(f64, f64)> {
+        self.prefill_fit.fitted.or(self.pooled_prefill)
+    }
+
     /// Seconds to prefill `uncached_tokens` here (learned model: its overhead included).
     #[inline]
     pub fn prefill_time(&self, uncached_tokens: u64) -> f64 {
-        match self.prefill_fit.fitted {
+        match self.prefill_model() {
             Some((overhead, spt)) => overhead + spt * uncached_tokens as f64,
             None => uncached_tokens as f64 / self.spec.prefill_tokens_per_s,
         }
@@ -207,7 +279,7 @@ impl WorkerLoad {
     /// Prefill tokens per second: learned, or as registered.
     #[inline]
     pub fn prefill_speed(&self) -> f64 {
-        match self.prefill_fit.fitted {
+        match self.prefill_model() {
             Some((_, spt)) if spt > 0.0 => 1.0 / spt,
             _ => self.spec.prefill_tokens_per_s,
         }
@@ -241,10 +313,10 @@ impl WorkerLoad {
     }
 
     /// The decode step as (seconds at batch 0, seconds per running request): learned
-    /// (`decode_fit`), else from the registered `decode_tokens_per_s`; None: unknown.
+    /// (`decode_fit`, else the pool's), else from the registered `decode_tokens_per_s`; None: unknown.
     #[inline]
     pub fn decode_model(&self, decode_step_s: f64) -> Option<(f64, f64)> {
-        match self.decode_fit.fitted {
+        match self.decode_fit.fitted.or(self.pooled_decode) {
             Some(fit) => Some(fit),
             None => self.spec.decode_tokens_per_s.map(|r| (decode_step_s, 1.0 / r)),
         }

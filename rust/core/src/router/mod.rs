@@ -32,7 +32,7 @@ use crate::random::{PyRandom, RandomSource};
 pub use config::{AdmissionConfig, CacheViewConfig, DecodeConfig, DecodeRule, PdConfig, Preset, Role, RouterConfig, TieBreak, TtftModel};
 pub use decision::{Candidate, Decision, Path, Reason, WorkerBreakdown};
 use evicted::EvictedReuse;
-pub use load::{InFlight, Observed, PrefillFit, WorkerLoad, WorkerSpec};
+pub use load::{InFlight, Observed, PoolFit, PrefillFit, WorkerLoad, WorkerSpec};
 use pending::PendingPrefixes;
 use policy::Policy;
 pub use policy::{Needs, PolicyConfig};
@@ -119,6 +119,8 @@ struct State {
     routed_at: Option<f64>,
     /// The output lengths finished requests reported (`Router::output_done`).
     outputs: OutputLength,
+    /// The pool's learned prefill and decode fits (`TtftModel::Learned`).
+    pool: PoolFit,
 }
 
 /// The output tokens finished requests produced, as a decaying mean and spread (a memory of ~256
@@ -269,6 +271,7 @@ impl Router {
                 corrections: Vec::new(),
                 routed_at: None,
                 outputs: OutputLength::default(),
+                pool: PoolFit::default(),
             }),
             epoch: Instant::now(),
             cfg,
@@ -316,7 +319,10 @@ impl Router {
             return Err(RouterError::DuplicateWorker(id));
         }
         let at = st.workers.partition_point(|w| w.id < id);
-        st.workers.insert(at, WorkerLoad::new(id, spec));
+        let mut w = WorkerLoad::new(id, spec);
+        // A worker joining a measured pool predicts with the pool's fits until it has its own.
+        (w.pooled_prefill, w.pooled_decode) = (st.pool.prefill_for(sp), st.pool.decode.fitted);
+        st.workers.insert(at, w);
         st.shifts.insert(at, 0.0);
         Self::reindex(&mut st);
         Ok(())
@@ -429,11 +435,18 @@ impl Router {
     fn finish_prefill(st: &mut State, rec: &InFlight, now: f64, measured: bool) {
         let Some(&at) = st.pos.get(&rec.prefill_worker) else { return };
         let shift = st.shifts[at];
-        let w = &mut st.workers[at];
         if measured {
+            let w = &st.workers[at];
+            let (x, registered) = (rec.uncached_tokens as f64, w.spec.prefill_tokens_per_s);
             let served = now - rec.routed_at.max(w.last_prefill_done);
-            w.prefill_fit.add(rec.uncached_tokens as f64, served, 1.0 / w.spec.prefill_tokens_per_s);
+            // The prior a worker's own fit keeps without slope evidence: the pool's slope, else
+            // the registered speed.
+            let prior = st.pool.prefill_for(registered).map_or(1.0 / registered, |(_, spt)| spt);
+            st.pool.prefill.add(x / registered, served, 1.0);
+            st.workers[at].prefill_fit.add(x, served, prior);
+            Self::share_pool(st);
         }
+        let w = &mut st.workers[at];
         w.last_prefill_done = w.last_prefill_done.max(now);
         w.prefilling = w.prefilling.saturating_sub(1);
         w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
@@ -447,6 +460,14 @@ impl Router {
             let delta = now - expected;
             w.busy_until = (w.busy_until + delta).max(now);
             st.shifts[at] = shift + delta;
+        }
+    }
+
+    /// Hands the pool's fits to every worker (each uses them while it has none of its own).
+    fn share_pool(st: &mut State) {
+        let State { workers, pool, .. } = st;
+        for w in workers.iter_mut() {
+            (w.pooled_prefill, w.pooled_decode) = (pool.prefill_for(w.spec.prefill_tokens_per_s), pool.decode.fitted);
         }
     }
 
@@ -471,11 +492,15 @@ impl Router {
         st.outputs.add(tokens);
         if self.cfg.ttft_model == TtftModel::Learned && rec.first_token_at.is_finite() && tokens >= 2 {
             if let Some(&at) = st.pos.get(&rec.decode_worker) {
-                let w = &mut st.workers[at];
+                let w = &st.workers[at];
                 let itl = (now - rec.first_token_at) / (tokens - 1) as f64;
                 let batch = (rec.batch_at_first as f64 + w.batch() as f64) / 2.0;
-                // Prior slope 0: without evidence that the batch matters, a constant step.
-                w.decode_fit.add(batch, itl, 0.0);
+                // Prior slope: the pool's, else 0 (without evidence that the batch matters, a
+                // constant step).
+                let prior = st.pool.decode.fitted.map_or(0.0, |(_, b)| b);
+                st.workers[at].decode_fit.add(batch, itl, prior);
+                st.pool.decode.add(batch, itl, 0.0);
+                Self::share_pool(&mut st);
             }
         }
         Ok(())

@@ -143,3 +143,45 @@ fn a_learned_model_rejects_only_once_it_has_measured_the_worker() {
     assert!(r.load(0).unwrap().prefill_fit.fitted.is_some());
     assert!(!route(&r, &toks, now + 10.0).admitted, "measured: 4,000 tokens take 0.2 s, over the SLO");
 }
+
+#[test]
+fn a_worker_with_no_samples_predicts_with_the_pools_fit() {
+    // Four workers registered at the prior (20,000 tokens/s) on engines that run at 50,000.
+    // Worker 0 alone is measured; the others have no samples of their own and predict with the
+    // pool's fit, so they look as fast as worker 0, not 2.5x slower (which left them idle).
+    let r = Router::new(router_config!(policy: "ttft", ttft_model: TtftModel::Learned), None).unwrap();
+    for w in 0..4 {
+        r.add_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let mut now = 0.0;
+    for id in 0..2 * PrefillFit::MIN_SAMPLES {
+        let n = 1000 + 250 * (id as usize % 8);
+        let d = r
+            .route(&RouteRequest {
+                tokens: Some(&prompt(500 + id as u32, n)),
+                now: Some(now),
+                request_id: Some(id),
+                workers: Some(&[0]),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(d.worker, 0);
+        r.prefill_done(id, Some(now + n as f64 / 50_000.0)).unwrap();
+        now += 1.0;
+    }
+    let measured = r.load(0).unwrap();
+    assert!((measured.prefill_speed() - 50_000.0).abs() < 1.0, "{}", measured.prefill_speed());
+    for w in 1..4 {
+        let l = r.load(w).unwrap();
+        assert_eq!(l.prefill_fit.samples(), 0);
+        assert!((l.prefill_speed() - 50_000.0).abs() < 1.0, "worker {w}: {}", l.prefill_speed());
+    }
+    // A worker registered twice as fast is predicted twice as fast as the pool (the pool learns
+    // how the engines run against what they were registered at), and one joining now starts there.
+    r.add_worker(9, WorkerSpec { prefill_tokens_per_s: 40_000.0, ..WorkerSpec::default() }).unwrap();
+    assert!((r.load(9).unwrap().prefill_speed() - 100_000.0).abs() < 2.0);
+    // And a prompt no worker caches goes to an idle unmeasured worker, not behind the measured one.
+    let d =
+        r.route(&RouteRequest { tokens: Some(&prompt(9_999, 4000)), now: Some(now), request_id: Some(999), ..Default::default() }).unwrap();
+    assert_eq!(d.worker, 9, "the fastest idle worker");
+}
