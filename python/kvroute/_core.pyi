@@ -186,6 +186,8 @@ class WorkerLoad(TypedDict):
     prefill_samples: int
     #: The learned prefill model (learned TTFT model): the worker's own fit once it has
     #: `prefill_samples` >= 16, else the pool's fit over every worker's samples; None before either.
+    #: How late prefills here have finished beyond the queue's prediction lately (learned model).
+    learned_lateness_s: float
     learned_overhead_s: float | None
     learned_prefill_tokens_per_s: float | None
 

@@ -339,6 +339,7 @@ impl PyRouter {
         d.set_item("observed_running", w.observed.running)?;
         d.set_item("observed_kv_usage", w.observed.kv_usage)?;
         d.set_item("prefill_samples", w.prefill_fit.samples())?;
+        d.set_item("learned_lateness_s", w.lateness)?;
         d.set_item("learned_overhead_s", w.prefill_model().map(|(a, _)| a))?;
         d.set_item("learned_prefill_tokens_per_s", w.prefill_model().map(|(_, b)| if b > 0.0 { 1.0 / b } else { f64::INFINITY }))?;
         Ok(d)

@@ -66,7 +66,8 @@ impl Router {
     fn candidate(&self, w: &WorkerLoad, overlap: u32, now: f64, num_tokens: u64, transfer_time: f64, indexed: u64) -> Candidate {
         let cached = (overlap as u64 * self.cfg.block_size as u64).min(num_tokens);
         let uncached = num_tokens - cached;
-        let queue_delay = w.queue_delay(now);
+        // The learned model's lateness: what the queue has been missing here lately.
+        let queue_delay = w.queue_delay(now) + w.lateness;
         let prefill_time = w.prefill_time(uncached);
         let stored = (num_tokens / self.cfg.block_size as u64).saturating_sub(overlap as u64);
         let needs = self.needs;

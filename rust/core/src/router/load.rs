@@ -219,6 +219,11 @@ pub struct WorkerLoad {
     pub pooled_prefill: Option<(f64, f64)>,
     /// The pool's decode step, used while `decode_fit` has none.
     pub pooled_decode: Option<(f64, f64)>,
+    /// How late prefills here have finished beyond the virtual queue's prediction, seconds, an
+    /// average over the last ~16 (`TtftModel::Learned`; 0 otherwise): what the queue does not
+    /// see (an engine waiting for KV room or a seat before it starts a prefill), added to the
+    /// queueing delay a new request is predicted.
+    pub lateness: f64,
     /// When the last prefill here finished (`prefill_done`, `finished`); -inf before any.
     pub last_prefill_done: f64,
     /// Prompt tokens routed here, decaying over the load window (`RouterConfig::token_share_bound`;
@@ -242,6 +247,7 @@ impl WorkerLoad {
             decode_fit: PrefillFit::default(),
             pooled_prefill: None,
             pooled_decode: None,
+            lateness: 0.0,
             last_prefill_done: f64::NEG_INFINITY,
             routed_tokens: 0.0,
         }

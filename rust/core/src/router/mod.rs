@@ -170,6 +170,9 @@ impl OutputLength {
     }
 }
 
+/// Prefills the learned lateness (`WorkerLoad::lateness`) averages over.
+const LATENESS_MEMORY: f64 = 16.0;
+
 /// The factor that decays an exponentially weighted quantity last updated at `*at` to `now` (time
 /// constant `tau`; 1 before any update, and for a clock that stepped back), and moves `*at` forward to `now`.
 /// The one decay behind the offered load, the evicted-block reuse and the token share.
@@ -452,6 +455,10 @@ impl Router {
         w.prefill_tokens = w.prefill_tokens.saturating_sub(rec.uncached_tokens);
         if rec.prefill_worker != rec.decode_worker {
             w.active = w.active.saturating_sub(1);
+        }
+        if measured {
+            let expected = rec.done_at + (shift - rec.shift_at);
+            w.lateness += ((now - expected).max(0.0) - w.lateness) / LATENESS_MEMORY;
         }
         if w.prefilling == 0 {
             w.busy_until = now;
