@@ -474,6 +474,7 @@ impl Router {
                     work: c.prefill_time,
                     done_at,
                     shift_at,
+                    modelled: st.workers[p_at].prefill_model().is_some(),
                     kv_blocks,
                     prefill_pending: true,
                     routed_at: now,

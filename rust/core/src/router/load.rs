@@ -395,6 +395,9 @@ pub struct InFlight {
     /// The worker's cumulative `prefill_done` correction when this request was queued: later
     /// corrections already moved `done_at` by the difference.
     pub shift_at: f64,
+    /// Its prefill time came from a learned model (the worker's fit or the pool's), not the
+    /// registered prior: only then is its lateness the queue's miss (`WorkerLoad::lateness`).
+    pub modelled: bool,
     pub kv_blocks: u64,
     pub prefill_pending: bool,
     /// When it was routed (the router's clock): with `prefill_done`, one sample of the learned

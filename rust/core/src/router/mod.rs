@@ -456,7 +456,9 @@ impl Router {
         if rec.prefill_worker != rec.decode_worker {
             w.active = w.active.saturating_sub(1);
         }
-        if measured {
+        // Against a learned prediction only: before a fit, a miss is the prior's error, which the
+        // fit corrects.
+        if measured && rec.modelled {
             let expected = rec.done_at + (shift - rec.shift_at);
             w.lateness += ((now - expected).max(0.0) - w.lateness) / LATENESS_MEMORY;
         }
