@@ -275,6 +275,16 @@ fn pools(t: Topology, sink: usize) -> ReplayTopology {
     }
 }
 
+/// The `ReplaySpec` and engine factory every run of this crate builds: the engines of `engine`
+/// (publishing KV events when `kv_events`) in `topology`, with one extra *sink* worker per pool when
+/// `sink` (see `placement`). For a placement composed outside this crate that must run on exactly
+/// the engines the race's other placements get.
+pub fn replay_setup(engine: &EngineModel, topology: Topology, sink: bool, kv_events: bool) -> Result<(ReplaySpec, ReplayEngineFactory)> {
+    engine.validate()?;
+    topology.validate()?;
+    Ok((spec(engine, pools(topology, usize::from(sink)), kv_events)?, factory(engine)))
+}
+
 fn factory(engine: &EngineModel) -> ReplayEngineFactory {
     match engine.timing_provider() {
         Some(t) => ReplayEngineFactory::with_timing_model(t),
