@@ -8,6 +8,9 @@
 //!   simulator's own timing (`--knowledge oracle`). `--router` sets any Router parameter by its name.
 //! - `dynamo`: Dynamo 1.6.1's `KvRouterPlacement` through dynamo-mocker's offline replay, with
 //!   `KvRouterConfig` from `--dynamo` (its fields as Dynamo's serde names them; default: Dynamo's).
+//! - `dynamo_shed`: the same KV router assembled from dynamo-kv-router's public parts as an
+//!   AISimulate placement (`dynamo_shed`), plus Dynamo's busy-threshold load shedding with the
+//!   thresholds of `--dynamo-shed` (none: nothing is shed, and it places as `dynamo` does).
 //! - `round_robin` (AISimulate's) and `dynamo_round_robin` (dynamo-mocker's): the check that both
 //!   harnesses build the same engines.
 //!
@@ -15,8 +18,11 @@
 //! aisim-race --trace T.jsonl --workers 16 --speedup 4 --seed 0 --ttft-slo-ms 2000 --itl-slo-ms 200 \
 //!            --placements kvroute,dynamo,round_robin [--disagg 4,12] [--engine '{"num_gpu_blocks": 8192}'] \
 //!            [--router '{"reject": false}'] [--dynamo '{"overlap_score_credit": 2.0}'] [--max-tokens 4096] \
+//!            [--dynamo-shed '{"active_prefill_tokens_threshold": 20000, "active_decode_blocks_threshold": 0.9}'] \
 //!            [--knowledge deployed|oracle] [--records]
 //! ```
+
+mod dynamo_shed;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -49,6 +55,7 @@ struct Args {
     engine: EngineModel,
     router: serde_json::Map<String, serde_json::Value>,
     dynamo: serde_json::Value,
+    dynamo_shed: dynamo_shed::ShedConfig,
     knowledge: Knowledge,
     max_tokens: Option<u64>,
     records: bool,
@@ -65,6 +72,7 @@ fn args() -> Result<Args> {
         engine: EngineModel::default(),
         router: serde_json::Map::new(),
         dynamo: json!({}),
+        dynamo_shed: dynamo_shed::ShedConfig::default(),
         knowledge: Knowledge::Deployed,
         max_tokens: None,
         records: false,
@@ -95,6 +103,9 @@ fn args() -> Result<Args> {
                 a.router = v.as_object().context("--router: a JSON object of Router parameters")?.clone();
             }
             "--dynamo" => a.dynamo = serde_json::from_str(&val()?).context("--dynamo: a JSON object of KvRouterConfig fields")?,
+            "--dynamo-shed" => {
+                a.dynamo_shed = serde_json::from_str(&val()?).context("--dynamo-shed: a JSON object of busy thresholds")?;
+            }
             "--knowledge" => {
                 a.knowledge = serde_json::from_value(json!(val()?)).context("--knowledge: deployed or oracle")?;
             }
@@ -217,6 +228,17 @@ fn dynamo(a: &Args, mode: ReplayRouterMode) -> Result<Vec<RequestRecord>> {
     Ok(recs)
 }
 
+/// Dynamo's KV router with busy-threshold shedding, on the same engines as `kvroute` and
+/// `round_robin` (aggregated topologies only).
+fn dynamo_shed(a: &Args) -> Result<(Vec<RequestRecord>, serde_json::Value)> {
+    let Topology::Aggregated { workers } = a.topology else {
+        bail!("dynamo_shed runs aggregated topologies only");
+    };
+    let cfg: KvRouterConfig = serde_json::from_value(a.dynamo.clone()).context("--dynamo: KvRouterConfig fields")?;
+    let r = dynamo_shed::run(&a.engine, workers, load_trace(&a.trace, a.speedup)?, cfg, a.dynamo_shed.clone(), Default::default())?;
+    Ok((r.records(), json!({"shed": a.dynamo_shed, "rejected": r.log.rejected.len()})))
+}
+
 fn main() -> Result<()> {
     let a = args()?;
     let mut spec = RunSpec::new(a.engine.clone(), a.topology, a.slo);
@@ -231,6 +253,7 @@ fn main() -> Result<()> {
         };
         let (records, learned) = match name.as_str() {
             "dynamo" => (dynamo(&a, ReplayRouterMode::KvRouter)?, json!(null)),
+            "dynamo_shed" => dynamo_shed(&a)?,
             "dynamo_round_robin" => (dynamo(&a, ReplayRouterMode::RoundRobin)?, json!(null)),
             "round_robin" => (run(&spec, Placer::RoundRobin, load_trace(&a.trace, a.speedup)?)?.records, json!(null)),
             "kvroute" => kvroute(None)?,
