@@ -287,8 +287,20 @@ pub struct Decision {
     pub worker: Option<usize>,
     /// The workers busy at that moment.
     pub overloaded: Vec<usize>,
-    /// Per worker: (worker, active prefill tokens, active decode blocks, engine's used KV blocks if sampled).
-    pub loads: Vec<(usize, u64, u64, Option<u64>)>,
+    /// Every worker's load the decision was judged on.
+    pub loads: Vec<WorkerLoad>,
+}
+
+/// One worker's load signals at a decision.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct WorkerLoad {
+    pub worker: usize,
+    /// The router's active prefill tokens.
+    pub active_prefill_tokens: u64,
+    /// The router's active decode blocks.
+    pub active_decode_blocks: u64,
+    /// The engine's used KV blocks, as last sampled (None: not sampled).
+    pub kv_used_blocks: Option<u64>,
 }
 
 /// What a run's placement recorded.
@@ -431,7 +443,7 @@ impl ShedPlacement {
     }
 
     /// The busy workers now (None when nothing is shed), and the loads they were judged on.
-    fn overloaded(&self, at: Instant) -> (Option<HashSet<WorkerId>>, Vec<(usize, u64, u64, Option<u64>)>) {
+    fn overloaded(&self, at: Instant) -> (Option<HashSet<WorkerId>>, Vec<WorkerLoad>) {
         if !self.shed.enabled() {
             return (None, Vec::new());
         }
@@ -457,18 +469,17 @@ impl ShedPlacement {
             if latched || self.shed.prefill_busy(tokens, limits.max_num_batched_tokens) {
                 busy.insert(id);
             }
-            loads.push((id as usize, tokens, blocks, used));
+            loads.push(WorkerLoad {
+                worker: id as usize,
+                active_prefill_tokens: tokens,
+                active_decode_blocks: blocks,
+                kv_used_blocks: used,
+            });
         }
         (Some(busy), loads)
     }
 
-    fn reject(
-        &self,
-        request: Uuid,
-        now_ms: f64,
-        overloaded: Vec<usize>,
-        loads: Vec<(usize, u64, u64, Option<u64>)>,
-    ) -> Result<PlacementEffects> {
+    fn reject(&self, request: Uuid, now_ms: f64, overloaded: Vec<usize>, loads: Vec<WorkerLoad>) -> Result<PlacementEffects> {
         let sink = self.sink.ok_or_else(|| anyhow!("a rejection without a sink worker"))?;
         let mut log = self.log.borrow_mut();
         log.rejected.insert(request);

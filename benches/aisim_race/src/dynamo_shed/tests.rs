@@ -138,10 +138,12 @@ fn sheds_when_every_worker_is_busy() {
         let busy: Vec<usize> = d
             .loads
             .iter()
-            .filter(|&&(_, prefill, decode, used)| {
-                prefill > 3_000 || decode as f64 > 0.3 * total || used.is_some_and(|u| u as f64 > 0.3 * total)
+            .filter(|l| {
+                l.active_prefill_tokens > 3_000
+                    || l.active_decode_blocks as f64 > 0.3 * total
+                    || l.kv_used_blocks.is_some_and(|u| u as f64 > 0.3 * total)
             })
-            .map(|&(w, ..)| w)
+            .map(|l| l.worker)
             .collect();
         assert_eq!(busy, d.overloaded, "request {}", d.request);
         match d.worker {
