@@ -50,10 +50,12 @@ e2e:
 	# e2e LiteLLM tests leave behind.
 	$(E2E_BED)/venv/bin/python -m pytest tests/integrations/test_litellm.py tests/integrations/test_ray.py tests/docs/test_integrations_guide.py
 # The benchmark harnesses with workspaces of their own under benches/ (Dynamo's crates are their peers, never
-# the wheel's): each builds and runs a quick case. The AISimulate race reruns one case of the committed suite
-# and fails when its figures moved (the README renders that suite), and checks the two harnesses' round robin at
-# every arrival instant.
+# the wheel's): each builds and runs a quick case. The AISimulate race's own tests (dynamo_shed places request for
+# request as dynamo-mocker's KvRouterPlacement; its shedding), then it reruns one case of the committed suite and
+# fails when its figures moved (the README renders that suite), and checks the two harnesses' round robin at every
+# arrival instant.
 races:
+	cargo test --release -q --manifest-path benches/aisim_race/Cargo.toml
 	$(PY) benches/bench_aisim.py --check
 	$(PY) benches/index_race.py --quick --out .ci/index_race_quick.json
 # The README's test command, verbatim, in a fresh virtualenv (keep identical to the README's second set-up command).

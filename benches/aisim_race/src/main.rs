@@ -10,7 +10,10 @@
 //!   `KvRouterConfig` from `--dynamo` (its fields as Dynamo's serde names them; default: Dynamo's).
 //! - `dynamo_shed`: the same KV router assembled from dynamo-kv-router's public parts as an
 //!   AISimulate placement (`dynamo_shed`), plus Dynamo's busy-threshold load shedding with the
-//!   thresholds of `--dynamo-shed` (none: nothing is shed, and it places as `dynamo` does).
+//!   thresholds of `--dynamo-shed` (none: nothing is shed). Shedding off, it places request for
+//!   request as dynamo-mocker's `KvRouterPlacement` under canonical determinism (the test
+//!   `same_placements_as_dynamo_mocker`); `dynamo` runs the mocker's file replay, whose
+//!   tie-breaks are unseeded, so the two differ where ties fall. Aggregated topologies only.
 //! - `round_robin` (AISimulate's) and `dynamo_round_robin` (dynamo-mocker's): the check that both
 //!   harnesses build the same engines.
 //!

@@ -9,7 +9,7 @@ pub mod summary;
 
 pub use engine::{EngineModel, PolyFit, Timing, BUILTIN};
 pub use run::{
-    load_trace, replay_setup, run, trace_from_rows, trace_from_rows_in_blocks, Knowledge, Placer, RunResult, RunSpec, Topology, WorkerSpeed,
-    TRACE_BLOCK_SIZE,
+    load_trace, replay_setup, run, trace_from_rows, trace_from_rows_in_blocks, Knowledge, Placer, RunResult, RunSpec, Topology,
+    WorkerSpeed, TRACE_BLOCK_SIZE,
 };
 pub use summary::{RequestRecord, Slo, Summary};
