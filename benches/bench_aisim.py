@@ -26,6 +26,8 @@ SLOs: TTFT <= 2 s and mean ITL <= 200 ms (MLPerf Inference's Llama-2-70B server 
     python benches/bench_aisim.py                 # the suite (~20 min on 2 cores)
     python benches/bench_aisim.py --quick         # one seed, 8 workers
     python benches/bench_aisim.py --tune-dynamo   # sweep Dynamo's knobs on the tuning half
+    python benches/bench_aisim.py --tune-shed     # sweep Dynamo's shedding thresholds on the tuning half
+    python benches/bench_aisim.py --admission     # the admission race: early rejection against shedding
     python benches/bench_aisim.py --check         # CI: rerun one committed case; exit 1 if it moved
     python benches/bench_aisim.py --speed         # the whole conversation trace, 16 workers: wall time
 
@@ -263,6 +265,118 @@ def tune_dynamo(argv: list[str] | None) -> int:
     return 0
 
 
+ADMISSION_OUT = os.path.join(RESULTS, "aisim_admission.json")
+SHED_TUNING_OUT = os.path.join(RESULTS, "aisim_shed_tuning.json")
+
+#: Dynamo's busy thresholds (its frontend's `LoadThresholdConfig`) swept on the tuning half: active
+#: prefill tokens per worker, and active decode blocks as a fraction of the worker's KV blocks
+#: (None: that threshold off).
+SHED_GRID = {
+    "active_prefill_tokens_threshold": (None, 8192, 16384, 32768, 65536, 131072),
+    "active_decode_blocks_threshold": (None, 0.8, 0.9, 0.95),
+}
+
+
+def _shed_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def tune_shed(argv: list[str] | None) -> int:
+    """Sweeps SHED_GRID for `dynamo_shed` (Dynamo's KV router as tuned, plus its shedding) on the
+    tuning half at 8 workers, one seed per case, and keeps the best mean goodput (a rejected request
+    is not good; TTFT p99 of the served breaks ties within 0.1 points)."""
+    build_race()
+    conversation = conversation_rows()
+    dynamo_config = tuned_dynamo()
+    todo = [c for c in cases(True) if c.split == "tuning" and (c.family != "conversation" or conversation)]
+    grid = [dict(zip(SHED_GRID, v)) for v in itertools.product(*SHED_GRID.values())]
+    rows = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in todo:
+            seed = case.seeds(1)[0]
+            path, speedup = trace_file(case, seed, tmp, conversation)
+            for cfg in grid:
+                got = race(case, path, speedup, seed, "dynamo_shed", dynamo=dynamo_config, dynamo_shed=_shed_config(cfg))
+                rows.append({"case": case.name, "seed": seed, "config": cfg, "summary": got["summary"]})
+                s = got["summary"]
+                print(
+                    f"[{time.time() - t0:5.0f}s] {case.name} {cfg}: {s['goodput_share'] * 100:.1f}% ({s['rejected_share'] * 100:.1f}% shed)",
+                    flush=True,
+                )
+
+    def score(cfg: dict[str, Any]) -> tuple[float, float]:
+        mine = [r["summary"] for r in rows if r["config"] == cfg]
+        good = sum(s["goodput_share"] for s in mine) / len(mine)
+        p99 = sum(s["ttft_p99_ms"] or 0.0 for s in mine) / len(mine)
+        return round(good, 3), -p99
+
+    chosen = max(grid, key=score)
+    doc = {
+        **results_file.header("aisim_shed_tuning", results_file.command("bench_aisim.py", argv)),
+        "grid": SHED_GRID,
+        "dynamo_config": dynamo_config,
+        "cases": [c.name for c in todo],
+        "chosen": chosen,
+        "rows": rows,
+    }
+    results_file.write(SHED_TUNING_OUT, doc)
+    print(f"chosen: {chosen}; wrote {SHED_TUNING_OUT}")
+    return 0
+
+
+def tuned_shed() -> dict[str, Any] | None:
+    """The thresholds `--tune-shed` chose; None before it has run."""
+    try:
+        with open(SHED_TUNING_OUT) as f:
+            return dict(json.load(f)["chosen"])
+    except FileNotFoundError:
+        return None
+
+
+def admission(argv: list[str] | None, seeds: int, quick: bool) -> int:
+    """The admission race, on every unified case (`dynamo_shed` runs aggregated topologies only):
+    kvroute as deployed with its early rejection (its defaults: TTFT SLO 2 s, rejection on) against
+    Dynamo's KV router as tuned with its shedding at the thresholds `--tune-shed` chose."""
+    shed = tuned_shed()
+    if shed is None:
+        print(f"no {os.path.relpath(SHED_TUNING_OUT, ROOT)}: run `python benches/bench_aisim.py --tune-shed` first", file=sys.stderr)
+        return 1
+    build_race()
+    dynamo_config = tuned_dynamo()
+    conversation = conversation_rows()
+    todo = [c for c in cases(quick) if c.topology[1] == 0 and (c.family != "conversation" or conversation is not None)]
+    placements_ = {
+        "kvroute": ("kvroute", None, {}),
+        "dynamo": ("dynamo_shed", None, {"dynamo": dynamo_config, "dynamo_shed": _shed_config(shed)}),
+    }
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in todo:
+            for seed in case.seeds(1 if quick else seeds):
+                path, speedup = trace_file(case, seed, tmp, conversation)
+                brief = []
+                for label, (placement, router, flags) in placements_.items():
+                    got = race(case, path, speedup, seed, placement, router=router, **flags)
+                    rows.append({"case": case.name, "family": case.family, "split": case.split, "seed": seed, "label": label, **got})
+                    s = got["summary"]
+                    brief.append(f"{label}: {s['goodput_share'] * 100:.1f}% ({s['rejected_share'] * 100:.1f}% rejected)")
+                print(f"[{time.time() - t0:6.0f}s] {case.name} seed {seed}: goodput " + "  ".join(brief), flush=True)
+    result = {
+        **results_file.header("aisim_admission", results_file.command("bench_aisim.py", argv)),
+        "slo": {"ttft_ms": TTFT_SLO_MS, "itl_ms": ITL_SLO_MS},
+        "max_tokens": MAX_TOKENS,
+        "dynamo_config": dynamo_config,
+        "shed_config": shed,
+        "seeds": 1 if quick else seeds,
+        "rows": rows,
+    }
+    results_file.write(ADMISSION_OUT, result)
+    print(f"wrote {ADMISSION_OUT} ({len(rows)} runs, {time.time() - t0:.0f} s)")
+    return 0
+
+
 #: The case CI reruns (`--check`): small, held out, and its kvroute figures must equal the suite's.
 CHECK_CASE = "tools 8w 7.5/s"
 #: Summary fields compared exactly (to 1e-9 relative); wall time is not one.
@@ -376,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed", action="store_true", help="time the whole conversation trace at 16 workers (quiet machine)")
     ap.add_argument("--tune-dynamo", action="store_true", help="sweep Dynamo's KvRouterConfig on the tuning half")
     ap.add_argument("--check", action="store_true", help="rerun one case of the committed suite; exit 1 if its figures moved")
+    ap.add_argument("--tune-shed", action="store_true", help="sweep Dynamo's shedding thresholds on the tuning half")
+    ap.add_argument("--admission", action="store_true", help="the admission race: kvroute's early rejection against Dynamo's shedding")
     a = ap.parse_args(argv)
     if a.check:
         return check()
@@ -383,10 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         return speed(a.out or os.path.join(RESULTS, "aisim_speed.json"), argv)
     if a.tune_dynamo:
         return tune_dynamo(argv)
+    if a.tune_shed:
+        return tune_shed(argv)
     a.out = a.out or SUITE_OUT
     if not 1 <= a.seeds <= 5:
         ap.error("--seeds must be 1..5")
     seeds = 1 if a.quick else a.seeds
+    if a.admission:
+        return admission(argv, seeds, a.quick)
     build_race()
     dynamo_config = tuned_dynamo()
     conversation = conversation_rows()
