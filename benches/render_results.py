@@ -243,6 +243,100 @@ def aisim_tuning(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def aisim_admission(res: dict[str, Any]) -> str:
+    """The admission race: kvroute's early rejection against Dynamo's shedding, per case, paired over
+    seeds, against the target (goodput at least Dynamo's in every case)."""
+    order, by = _by_case(res)
+    out = [
+        "| split | case | kvroute goodput (rejected) | Dynamo + shedding goodput (rejected) | goodput, kvroute - Dynamo (points) | >= Dynamo |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    met = {"tuning": 0, "held-out": 0}
+    counts = {"tuning": 0, "held-out": 0}
+
+    def cell(per_seed: dict[int, dict[str, Any]]) -> str:
+        rej, _ = _mean_se([r["summary"]["rejected_share"] * 100 for r in per_seed.values()])
+        return f"{_goodput(per_seed)} ({rej:.1f}%)"
+
+    for split in ("tuning", "held-out"):
+        for key in [k for k in order if k[0] == split]:
+            labs = by[key]
+            g, gse = _paired(labs["kvroute"], labs["dynamo"], "goodput_share")
+            ok = g >= 0
+            counts[split] += 1
+            met[split] += ok
+            out.append(
+                f"| {split} | {key[1]} | {cell(labs['kvroute'])} | {cell(labs['dynamo'])} | {g * 100:+.2f} ± {gse * 100:.2f} | "
+                f"{'yes' if ok else 'no'} |"
+            )
+    shed = ", ".join(f"`{k}={v}`" for k, v in sorted((res.get("shed_config") or {}).items())) or "none"
+    out += [
+        "",
+        "; ".join(f"{s_}: kvroute at or above Dynamo in {met[s_]} of {counts[s_]} cases" for s_ in ("tuning", "held-out") if counts[s_])
+        + f". Goodput counts a rejected request as not served. kvroute: as deployed, early rejection on (TTFT SLO "
+        f"{res['slo']['ttft_ms'] / 1000:g} s, rejection once a worker's speed is measured). Dynamo: its KV router ({_dynamo_config(res)}) "
+        f"with its busy thresholds as swept on the tuning half ({shed}); unified workers only. `{res['command']}` at {res['commit']}, "
+        f"{res['machine']}, {res['date']}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def aisim_admission_headline(res: dict[str, Any]) -> str:
+    """README: the admission race on every held-out family at 16 workers, at its highest load."""
+    order, by = _by_case(res)
+    top: dict[str, tuple[float, str]] = {}
+    for split, case in order:
+        family, where, load_text = case.split(" ")
+        if split != "held-out" or where != "16w":
+            continue
+        load = float(load_text.rstrip("x/s"))
+        if family not in top or load > top[family][0]:
+            top[family] = (load, case)
+    out = [
+        "| case (held out, highest load) | kvroute goodput (rejected) | Dynamo + shedding goodput (rejected) |",
+        "|---|---:|---:|",
+    ]
+    for _, case in top.values():
+        labs = by[("held-out", case)]
+        cells = []
+        for w in ("kvroute", "dynamo"):
+            rej, _ = _mean_se([r["summary"]["rejected_share"] * 100 for r in labs[w].values()])
+            cells.append(f"{_goodput(labs[w])} ({rej:.1f}%)")
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
+    shed = ", ".join(f"`{k}={v}`" for k, v in sorted((res.get("shed_config") or {}).items())) or "none"
+    out += [
+        "",
+        f"Both sides admit: kvroute's early rejection (its defaults) against Dynamo's KV router with its busy thresholds "
+        f"swept on the tuning half ({shed}). `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def aisim_shed_tuning(res: dict[str, Any]) -> str:
+    """Dynamo's shedding thresholds swept on the tuning half: the best five by mean goodput, the
+    chosen one first, and shedding off."""
+    per: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in res["rows"]:
+        per[json.dumps(r["config"], sort_keys=True)].append(r["summary"])
+    chosen = json.dumps(res["chosen"], sort_keys=True)
+    off = json.dumps({k: None for k in res["grid"]}, sort_keys=True)
+    ranked = sorted(per, key=lambda k: (k != chosen, -sum(x["goodput_share"] for x in per[k])))
+    keys = ranked[:5] + ([off] if off in per and off not in ranked[:5] else [])
+    out = ["| busy thresholds | mean goodput | mean rejected | mean TTFT p99 s |", "|---|---:|---:|---:|"]
+    for k in keys:
+        xs = per[k]
+        cfg = ", ".join(f"{a}={b}" for a, b in json.loads(k).items() if b is not None) or "none (shedding off)"
+        g = sum(x["goodput_share"] for x in xs) / len(xs) * 100
+        rj = sum(x["rejected_share"] for x in xs) / len(xs) * 100
+        p = sum((x["ttft_p99_ms"] or 0) for x in xs) / len(xs) / 1000
+        out.append(f"| {cfg}{' (chosen)' if k == chosen else ''} | {g:.1f}% | {rj:.1f}% | {p:.2f} |")
+    out += [
+        "",
+        f"{len(per)} settings on {', '.join(res['cases'])}. `{res['command']}` at {res['commit']}, {res['machine']}, {res['date']}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
 #: The index race's figures as the tables name them, in order (summary "figure" -> label).
 _RACE_FIGURES = [
     ("store_blocks_per_s", "store (M blocks/s)"),
@@ -562,6 +656,9 @@ RENDERERS = {
     "aisim_learned": ("aisim_suite", aisim_learned),
     "aisim_ablation": ("aisim_suite", aisim_ablation),
     "aisim_tuning": ("aisim_dynamo_tuning", aisim_tuning),
+    "aisim_admission": ("aisim_admission", aisim_admission),
+    "aisim_admission_headline": ("aisim_admission", aisim_admission_headline),
+    "aisim_shed_tuning": ("aisim_shed_tuning", aisim_shed_tuning),
     "index_race": ("index_race", index_race),
     "index_race_brief": ("index_race", index_race_brief),
     "install_time": ("install_time", install_time),
