@@ -272,7 +272,7 @@ SHED_TUNING_OUT = os.path.join(RESULTS, "aisim_shed_tuning.json")
 #: prefill tokens per worker, and active decode blocks as a fraction of the worker's KV blocks
 #: (None: that threshold off).
 SHED_GRID = {
-    "active_prefill_tokens_threshold": (None, 8192, 16384, 32768, 65536, 131072),
+    "active_prefill_tokens_threshold": (None, 8192, 16384, 32768, 65536, 131072, 262144),
     "active_decode_blocks_threshold": (None, 0.8, 0.9, 0.95),
 }
 
