@@ -402,7 +402,8 @@ def _same(x: Any, y: Any) -> bool:
 
 def check() -> int:
     """CI: builds the race, reruns CHECK_CASE's seed 0 for kvroute (as deployed and told the fit)
-    and round robin, and fails when a figure differs from the committed suite's; then checks, per
+    and round robin, and fails when a figure differs from the committed suite's (and for both
+    sides of the admission race, from its results file); then checks, per
     arrival instant, that AISimulate's and dynamo-mocker's round robin build the same engines (what every
     comparison with Dynamo rests on) and that Dynamo's tuned router runs."""
     with open(SUITE_OUT) as f:
@@ -444,12 +445,35 @@ def check() -> int:
         dyn = race(case, path, speedup, 0, "dynamo", dynamo=suite["dynamo_config"])["summary"]
         if dyn["requests"] != want["dynamo"]["summary"]["requests"]:
             bad.append(f"dynamo: {dyn['requests']} requests, the results file has {want['dynamo']['summary']['requests']}")
+        # The admission race: both sides are deterministic (kvroute's Router; Dynamo's router seeded as
+        # dynamo-mocker's canonical replay seeds it), so both must reproduce its results file.
+        if os.path.exists(ADMISSION_OUT):
+            with open(ADMISSION_OUT) as f:
+                adm = json.load(f)
+            want_adm = {r["label"]: r for r in adm["rows"] if r["case"] == CHECK_CASE and r["seed"] == 0}
+            runs = {
+                "kvroute": race(case, path, speedup, 0, "kvroute"),
+                "dynamo": race(
+                    case, path, speedup, 0, "dynamo_shed", dynamo=adm["dynamo_config"], dynamo_shed=_shed_config(adm["shed_config"])
+                ),
+            }
+            for label, got_adm in runs.items():
+                if label not in want_adm:
+                    bad.append(f"{os.path.relpath(ADMISSION_OUT, ROOT)} has no {CHECK_CASE!r} seed 0 {label} row")
+                    continue
+                for k in CHECKED:
+                    a, b = got_adm["summary"].get(k), want_adm[label]["summary"].get(k)
+                    if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))):
+                        bad.append(f"admission, {label}: {k} = {a}, the results file has {b}")
     for line in bad:
         print(line, file=sys.stderr)
     if bad:
         print(f"the race no longer reproduces {os.path.relpath(SUITE_OUT, ROOT)}: rerun `python benches/bench_aisim.py`", file=sys.stderr)
         return 1
-    print(f"aisim race: {CHECK_CASE} seed 0 reproduces the results file; round robin agrees at every arrival instant ({len(rr)} requests)")
+    print(
+        f"aisim race: {CHECK_CASE} seed 0 reproduces the results files (suite and admission); "
+        f"round robin agrees at every arrival instant ({len(rr)} requests)"
+    )
     return 0
 
 

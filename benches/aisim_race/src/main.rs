@@ -27,6 +27,8 @@
 
 mod dynamo_shed;
 
+use aisimulate_core::replay::{ReplayCaptureOptions, ReplayDeterminism};
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -238,7 +240,10 @@ fn dynamo_shed(a: &Args) -> Result<(Vec<RequestRecord>, serde_json::Value)> {
         bail!("dynamo_shed runs aggregated topologies only");
     };
     let cfg: KvRouterConfig = serde_json::from_value(a.dynamo.clone()).context("--dynamo: KvRouterConfig fields")?;
-    let r = dynamo_shed::run(&a.engine, workers, load_trace(&a.trace, a.speedup)?, cfg, a.dynamo_shed.clone(), Default::default())?;
+    // Canonical determinism, as dynamo-mocker's canonical replay: ordinal request ids and a seeded
+    // selector, so a run reproduces (CI's check reruns one).
+    let capture = ReplayCaptureOptions { determinism: ReplayDeterminism::CanonicalV1, ..Default::default() };
+    let r = dynamo_shed::run(&a.engine, workers, load_trace(&a.trace, a.speedup)?, cfg, a.dynamo_shed.clone(), capture)?;
     Ok((r.records(), json!({"shed": a.dynamo_shed, "rejected": r.log.rejected.len()})))
 }
 
