@@ -456,17 +456,16 @@ impl Router {
         if rec.prefill_worker != rec.decode_worker {
             w.active = w.active.saturating_sub(1);
         }
+        // How late it finished against the queue's prediction (corrected since it was queued).
+        let delta = now - (rec.done_at + (shift - rec.shift_at));
         // Against a learned prediction only: before a fit, a miss is the prior's error, which the
         // fit corrects.
         if measured && rec.modelled {
-            let expected = rec.done_at + (shift - rec.shift_at);
-            w.lateness += ((now - expected).max(0.0) - w.lateness) / LATENESS_MEMORY;
+            w.lateness += (delta.max(0.0) - w.lateness) / LATENESS_MEMORY;
         }
         if w.prefilling == 0 {
             w.busy_until = now;
         } else {
-            let expected = rec.done_at + (shift - rec.shift_at);
-            let delta = now - expected;
             w.busy_until = (w.busy_until + delta).max(now);
             st.shifts[at] = shift + delta;
         }
