@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,14 +228,22 @@ DYNAMO_GRID = {
 }
 
 
-def tune_dynamo(argv: list[str] | None) -> int:
-    """Sweeps DYNAMO_GRID on the tuning half at 8 workers (one seed per case) and keeps the best mean goodput
-    (TTFT p99 breaks ties within 0.1 points)."""
+def _sweep(
+    benchmark: str,
+    grid_def: dict[str, tuple[Any, ...]],
+    out: str,
+    argv: list[str] | None,
+    placement: str,
+    flags: Callable[[dict[str, Any]], dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """Runs `placement` with `flags(setting)` for every setting of `grid_def` on the tuning half at 8
+    workers (one seed per case) and keeps the best mean goodput (a rejected request is not good;
+    TTFT p99 breaks ties within 0.1 points); writes the sweep to `out`."""
     build_race()
     conversation = conversation_rows()
-    # At 8 workers (the sweep is 16 configurations per case).
     todo = [c for c in cases(True) if c.split == "tuning" and (c.family != "conversation" or conversation)]
-    grid = [dict(zip(DYNAMO_GRID, v)) for v in itertools.product(*DYNAMO_GRID.values())]
+    grid = [dict(zip(grid_def, v)) for v in itertools.product(*grid_def.values())]
     rows = []
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,9 +251,10 @@ def tune_dynamo(argv: list[str] | None) -> int:
             seed = case.seeds(1)[0]
             path, speedup = trace_file(case, seed, tmp, conversation)
             for cfg in grid:
-                got = race(case, path, speedup, seed, "dynamo", dynamo=cfg)
-                rows.append({"case": case.name, "seed": seed, "config": cfg, "summary": got["summary"]})
-                print(f"[{time.time() - t0:5.0f}s] {case.name} {cfg}: {got['summary']['goodput_share'] * 100:.1f}%", flush=True)
+                s = race(case, path, speedup, seed, placement, **flags(cfg))["summary"]
+                rows.append({"case": case.name, "seed": seed, "config": cfg, "summary": s})
+                shed = f" ({s['rejected_share'] * 100:.1f}% rejected)" if s["rejected_share"] else ""
+                print(f"[{time.time() - t0:5.0f}s] {case.name} {cfg}: {s['goodput_share'] * 100:.1f}%{shed}", flush=True)
 
     def score(cfg: dict[str, Any]) -> tuple[float, float]:
         mine = [r["summary"] for r in rows if r["config"] == cfg]
@@ -254,15 +264,21 @@ def tune_dynamo(argv: list[str] | None) -> int:
 
     chosen = max(grid, key=score)
     doc = {
-        **results_file.header("aisim_dynamo_tuning", results_file.command("bench_aisim.py", argv)),
-        "grid": DYNAMO_GRID,
+        **results_file.header(benchmark, results_file.command("bench_aisim.py", argv)),
+        "grid": grid_def,
+        **(extra or {}),
         "cases": [c.name for c in todo],
         "chosen": chosen,
         "rows": rows,
     }
-    results_file.write(TUNING_OUT, doc)
-    print(f"chosen: {chosen}; wrote {TUNING_OUT}")
+    results_file.write(out, doc)
+    print(f"chosen: {chosen}; wrote {out}")
     return 0
+
+
+def tune_dynamo(argv: list[str] | None) -> int:
+    """Sweeps DYNAMO_GRID (16 configurations per case) for Dynamo's KV router, no shedding."""
+    return _sweep("aisim_dynamo_tuning", DYNAMO_GRID, TUNING_OUT, argv, "dynamo", lambda cfg: {"dynamo": cfg})
 
 
 ADMISSION_OUT = os.path.join(RESULTS, "aisim_admission.json")
@@ -282,47 +298,17 @@ def _shed_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def tune_shed(argv: list[str] | None) -> int:
-    """Sweeps SHED_GRID for `dynamo_shed` (Dynamo's KV router as tuned, plus its shedding) on the
-    tuning half at 8 workers, one seed per case, and keeps the best mean goodput (a rejected request
-    is not good; TTFT p99 of the served breaks ties within 0.1 points)."""
-    build_race()
-    conversation = conversation_rows()
+    """Sweeps SHED_GRID for `dynamo_shed` (Dynamo's KV router as tuned, plus its shedding)."""
     dynamo_config = tuned_dynamo()
-    todo = [c for c in cases(True) if c.split == "tuning" and (c.family != "conversation" or conversation)]
-    grid = [dict(zip(SHED_GRID, v)) for v in itertools.product(*SHED_GRID.values())]
-    rows = []
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in todo:
-            seed = case.seeds(1)[0]
-            path, speedup = trace_file(case, seed, tmp, conversation)
-            for cfg in grid:
-                got = race(case, path, speedup, seed, "dynamo_shed", dynamo=dynamo_config, dynamo_shed=_shed_config(cfg))
-                rows.append({"case": case.name, "seed": seed, "config": cfg, "summary": got["summary"]})
-                s = got["summary"]
-                print(
-                    f"[{time.time() - t0:5.0f}s] {case.name} {cfg}: {s['goodput_share'] * 100:.1f}% ({s['rejected_share'] * 100:.1f}% shed)",
-                    flush=True,
-                )
-
-    def score(cfg: dict[str, Any]) -> tuple[float, float]:
-        mine = [r["summary"] for r in rows if r["config"] == cfg]
-        good = sum(s["goodput_share"] for s in mine) / len(mine)
-        p99 = sum(s["ttft_p99_ms"] or 0.0 for s in mine) / len(mine)
-        return round(good, 3), -p99
-
-    chosen = max(grid, key=score)
-    doc = {
-        **results_file.header("aisim_shed_tuning", results_file.command("bench_aisim.py", argv)),
-        "grid": SHED_GRID,
-        "dynamo_config": dynamo_config,
-        "cases": [c.name for c in todo],
-        "chosen": chosen,
-        "rows": rows,
-    }
-    results_file.write(SHED_TUNING_OUT, doc)
-    print(f"chosen: {chosen}; wrote {SHED_TUNING_OUT}")
-    return 0
+    return _sweep(
+        "aisim_shed_tuning",
+        SHED_GRID,
+        SHED_TUNING_OUT,
+        argv,
+        "dynamo_shed",
+        lambda cfg: {"dynamo": dynamo_config, "dynamo_shed": _shed_config(cfg)},
+        {"dynamo_config": dynamo_config},
+    )
 
 
 def tuned_shed() -> dict[str, Any] | None:
@@ -332,6 +318,17 @@ def tuned_shed() -> dict[str, Any] | None:
             return dict(json.load(f)["chosen"])
     except FileNotFoundError:
         return None
+
+
+def admission_placements(
+    dynamo_config: dict[str, Any], shed: dict[str, Any]
+) -> dict[str, tuple[str, dict[str, Any] | None, dict[str, Any]]]:
+    """The admission race's placements (label -> placement, router parameters, harness flags): kvroute's
+    defaults, early rejection on; Dynamo's KV router with its shedding."""
+    return {
+        "kvroute": ("kvroute", None, {}),
+        "dynamo": ("dynamo_shed", None, {"dynamo": dynamo_config, "dynamo_shed": _shed_config(shed)}),
+    }
 
 
 def admission(argv: list[str] | None, seeds: int, quick: bool) -> int:
@@ -346,10 +343,7 @@ def admission(argv: list[str] | None, seeds: int, quick: bool) -> int:
     dynamo_config = tuned_dynamo()
     conversation = conversation_rows()
     todo = [c for c in cases(quick) if c.topology[1] == 0 and (c.family != "conversation" or conversation is not None)]
-    placements_ = {
-        "kvroute": ("kvroute", None, {}),
-        "dynamo": ("dynamo_shed", None, {"dynamo": dynamo_config, "dynamo_shed": _shed_config(shed)}),
-    }
+    placements_ = admission_placements(dynamo_config, shed)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -400,6 +394,17 @@ def _same(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
+def _moved(label: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The CHECKED figures of a rerun summary that differ from the results file's (floats to 1e-9
+    relative)."""
+    out = []
+    for k in CHECKED:
+        a, b = got.get(k), want.get(k)
+        if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))):
+            out.append(f"{label}: {k} = {a}, the results file has {b}")
+    return out
+
+
 def check() -> int:
     """CI: builds the race, reruns CHECK_CASE's seed 0 for kvroute (as deployed and told the fit)
     and round robin, and fails when a figure differs from the committed suite's (and for both
@@ -421,10 +426,7 @@ def check() -> int:
             if label == "dynamo":
                 continue
             got = race(case, path, speedup, 0, placement, router=router, **flags)["summary"]
-            for k in CHECKED:
-                a, b = got.get(k), want[label]["summary"].get(k)
-                if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))):
-                    bad.append(f"{label}: {k} = {a}, the results file has {b}")
+            bad += _moved(label, got, want[label]["summary"])
         rr = race(case, path, speedup, 0, "round_robin", records=True)["records"]
         drr = race(case, path, speedup, 0, "dynamo_round_robin", records=True)["records"]
         if len(rr) != len(drr):
@@ -451,20 +453,12 @@ def check() -> int:
             with open(ADMISSION_OUT) as f:
                 adm = json.load(f)
             want_adm = {r["label"]: r for r in adm["rows"] if r["case"] == CHECK_CASE and r["seed"] == 0}
-            runs = {
-                "kvroute": race(case, path, speedup, 0, "kvroute"),
-                "dynamo": race(
-                    case, path, speedup, 0, "dynamo_shed", dynamo=adm["dynamo_config"], dynamo_shed=_shed_config(adm["shed_config"])
-                ),
-            }
-            for label, got_adm in runs.items():
+            for label, (placement, router, flags) in admission_placements(adm["dynamo_config"], adm["shed_config"]).items():
                 if label not in want_adm:
                     bad.append(f"{os.path.relpath(ADMISSION_OUT, ROOT)} has no {CHECK_CASE!r} seed 0 {label} row")
                     continue
-                for k in CHECKED:
-                    a, b = got_adm["summary"].get(k), want_adm[label]["summary"].get(k)
-                    if a != b and not (isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-9 * max(abs(a), abs(b))):
-                        bad.append(f"admission, {label}: {k} = {a}, the results file has {b}")
+                got = race(case, path, speedup, 0, placement, router=router, **flags)["summary"]
+                bad += _moved(f"admission, {label}", got, want_adm[label]["summary"])
     for line in bad:
         print(line, file=sys.stderr)
     if bad:
